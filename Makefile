@@ -1,0 +1,33 @@
+# The two set-up commands are `make serve` and `make test`; both install what they need first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+STAMP  := $(VENV)/.installed
+
+.PHONY: install serve test test-slow lint clean
+
+# Re-installs only when pyproject.toml changes, so a second `make install` is instant.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[train,loadtest,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m service --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
