@@ -1,0 +1,395 @@
+"""Linformer (Wang et al. 2020) and the vanilla Transformer it is compared with, in one plain file.
+
+Linformer head (paper eq. 7):  softmax(Q Wq (E K Wk)^T / sqrt(d)) (F V Wv),  E, F of shape k x n.
+E and F are stored as k x n_max and sliced to the first n columns for an input of length n.
+
+Two properties the public implementations get wrong and this file gets right:
+- Padding is removed before projecting: padded rows are zeroed before E/F (and left out of pooling),
+  so a sequence's output does not depend on how much padding its batch adds (dynamic batching needs
+  that). fairseq never applies its key padding mask to the compressed attention.
+- The decoder is causal by construction: ordinary masked self-attention with a key/value cache.
+  Masking the n x k compressed matrix, as a popular causal variant does, leaks future tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ATTENTIONS = ("linformer", "transformer")
+SHARING = ("none", "headwise", "key-value", "layerwise")
+PROJECTIONS = ("linear", "mean", "max", "conv")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 8000
+    n_max: int = 4096  # fixed maximum input length n; longer inputs are an error, never truncated here
+    d_model: int = 256
+    n_heads: int = 4
+    n_layers: int = 4
+    d_ff: int = 1024
+    dropout: float = 0.1
+    attention: str = "linformer"  # "linformer" or "transformer" (vanilla)
+    k: int | list[int] = 128  # projected length, or one per encoder layer (non-uniform k)
+    sharing: str = "layerwise"  # none | headwise | key-value | layerwise
+    projection: str = "linear"  # linear (learned E, F) | mean | max pooling | conv (kernel = stride = n/k)
+    pad_id: int = 0
+    num_labels: int = 2  # classifier only
+    # encoder-decoder (translation) only
+    n_decoder_layers: int = 0
+    tgt_n_max: int = 256  # longest target the decoder's positions cover
+    cross_attention: str = "linformer"  # linformer: compress the encoder memory to k_cross rows
+    k_cross: int = 32
+
+    def __post_init__(self) -> None:
+        assert self.attention in ATTENTIONS, self.attention
+        assert self.sharing in SHARING, self.sharing
+        assert self.projection in PROJECTIONS, self.projection
+        assert self.cross_attention in ATTENTIONS, self.cross_attention
+        assert self.d_model % self.n_heads == 0
+        ks = self.layer_ks()
+        assert len(ks) == self.n_layers, "give one k per encoder layer"
+        if self.sharing == "layerwise":
+            assert len(set(ks)) == 1, "layerwise sharing uses one E for all layers, so one k"
+        if self.projection != "linear":
+            assert all(self.n_max % k == 0 for k in ks), "pooling/conv windows are n_max / k long"
+
+    def layer_ks(self) -> list[int]:
+        return list(self.k) if isinstance(self.k, (list, tuple)) else [self.k] * self.n_layers
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        return cls(**json.loads(text))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Low-rank projections (E and F)
+
+
+class LowRankProjection(nn.Module):
+    """Compresses keys or values along the sequence axis: (B, H, T, hd) -> (B, H, k, hd).
+
+    `weight` has one matrix per head (no sharing) or one for all heads (shape[0] == 1). Pooling has
+    no weights; conv is a strided convolution (kernel = stride = n_max/k) with one tap vector per head
+    or shared, i.e. E with tied blocks.
+    """
+
+    def __init__(self, kind: str, k: int, n_max: int, n_heads: int):
+        super().__init__()
+        self.kind, self.k, self.window = kind, k, n_max // k
+        if kind == "linear":  # fairseq's xavier init with gain 1/sqrt(2) has this std
+            self.weight = nn.Parameter(torch.randn(n_heads, k, n_max) / math.sqrt(n_max + k))
+        elif kind == "conv":  # starts as mean pooling
+            self.weight = nn.Parameter(torch.full((n_heads, self.window), 1.0 / self.window))
+        else:
+            self.weight = None
+
+    @property
+    def num_matrices(self) -> int:
+        return 0 if self.weight is None else self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (B, H, T, hd), keep (B, T) bool -> compressed (B, H, k', hd) and which of the k' rows are
+        real (B, k') or None when all are. Padded rows are zeroed first, so they contribute nothing."""
+        B, H, T, hd = x.shape
+        x = x * keep[:, None, :, None].to(x.dtype)
+        if self.kind == "linear":
+            return self.weight[:, :, :T].unsqueeze(0) @ x, None  # (1, h, k, T) @ (B, H, T, hd)
+        # Windows of n_max/k positions; a short input fills only the first ceil(T/window) of the k.
+        r = self.window
+        windows = -(-T // r)
+        x = F.pad(x, (0, 0, 0, windows * r - T)).view(B, H, windows, r, hd)
+        inside = F.pad(keep, (0, windows * r - T)).view(B, 1, windows, r, 1)
+        valid = inside.any(dim=3).view(B, windows)  # a window holding only padding is masked out
+        if self.kind == "mean":
+            out = x.sum(dim=3) / inside.sum(dim=3).clamp(min=1).to(x.dtype)
+        elif self.kind == "max":
+            out = x.masked_fill(~inside, float("-inf")).amax(dim=3)
+            out = out.masked_fill(~valid[:, None, :, None], 0.0)
+        else:  # conv
+            out = (x * self.weight.view(1, -1, 1, r, 1)).sum(dim=3)
+        return out, valid
+
+    def compress_input(self, x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a linear E shared by all heads: E X on the layer input (B, T, C) -> (B, k, C), and E·keep
+        (B, k, 1), the weight each compressed row gives the projection's bias."""
+        T = x.shape[1]
+        e = self.weight[0, :, :T]  # (k, T)
+        keep = keep.to(x.dtype).unsqueeze(-1)  # (B, T, 1)
+        return e @ (x * keep), e @ keep
+
+
+def build_projections(cfg: ModelConfig, ks: list[int]) -> tuple[nn.ModuleList, list[tuple[int, int]]]:
+    """The distinct E/F modules for a stack of layers, and for each layer the indices of its (E, F).
+
+    Sharing levels (paper section 4): none = per layer, per head, separate E and F; headwise = per
+    layer, one E and one F for all heads; key-value = per layer, E = F; layerwise = one E everywhere.
+    """
+    heads = cfg.n_heads if cfg.sharing == "none" else 1
+    modules, plan = [], []
+    for k in ks:
+        if cfg.sharing == "layerwise" and modules:
+            plan.append((0, 0))
+            continue
+        modules.append(LowRankProjection(cfg.projection, k, cfg.n_max, heads))
+        if cfg.sharing in ("key-value", "layerwise"):
+            plan.append((len(modules) - 1,) * 2)
+        else:
+            modules.append(LowRankProjection(cfg.projection, k, cfg.n_max, heads))
+            plan.append((len(modules) - 2, len(modules) - 1))
+    return nn.ModuleList(modules), plan
+
+
+def projection_pair(projections: nn.ModuleList, pair: tuple) -> tuple:
+    """A layer's (E, F) modules from its plan entry; (None, None) for vanilla attention."""
+    return tuple(None if i is None else projections[i] for i in pair)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, T, C) -> (B, H, T, hd)"""
+    B, T, C = x.shape
+    return x.view(B, T, n_heads, C // n_heads).transpose(1, 2)
+
+
+def merge_heads(y: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, hd) -> (B, T, C)"""
+    B, H, T, hd = y.shape
+    return y.transpose(1, 2).reshape(B, T, H * hd)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd)) v over (B, H, ., hd); `allowed` is a bool mask broadcast to the scores."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+
+class HeadedAttention(nn.Module):
+    """Query, key, value and output projections shared by the three attention kinds below."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.q, self.k, self.v, self.out = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(4))
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        return split_heads(x, self.n_heads)
+
+
+class SelfAttention(HeadedAttention):
+    """Encoder self-attention: vanilla when no projections are given, Linformer otherwise."""
+
+    def forward(self, x, keep, e: LowRankProjection | None = None, f: LowRankProjection | None = None):
+        q = self.heads(self.q(x))
+        if e is None:  # vanilla: every real key, padding masked
+            k, v, allowed = self.heads(self.k(x)), self.heads(self.v(x)), keep[:, None, None, :]
+        elif e.kind == "linear" and e.num_matrices == 1:
+            # E (X Wk + b) = (E X) Wk + (E keep) b: compress the layer input to k rows first, then
+            # apply Wk and Wv to k rows instead of T. Same numbers, ~4·T·C² fewer FLOPs per layer.
+            xe, we = e.compress_input(x, keep)
+            xf, wf = (xe, we) if f is e else f.compress_input(x, keep)
+            k = self.heads(F.linear(xe, self.k.weight) + we * self.k.bias)
+            v = self.heads(F.linear(xf, self.v.weight) + wf * self.v.bias)
+            allowed = None
+        else:
+            k, valid_k = e(self.heads(self.k(x)), keep)
+            v, _ = f(self.heads(self.v(x)), keep)
+            allowed = None if valid_k is None else valid_k[:, None, None, :]
+        y = attend(q, k, v, allowed)  # (B, H, T, hd)
+        return self.out(merge_heads(y))
+
+
+class CausalSelfAttention(HeadedAttention):
+    """Decoder self-attention, causal by construction: query t sees keys 0..t, with a key/value cache."""
+
+    def forward(self, x, past: tuple[torch.Tensor, torch.Tensor] | None = None):
+        T = x.shape[1]
+        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        P = k.shape[2] - T  # cached positions
+        allowed = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(diagonal=P)
+        y = attend(q, k, v, allowed)
+        return self.out(merge_heads(y)), (k, v)
+
+
+class CrossAttention(HeadedAttention):
+    """Decoder attention over the encoder memory; keys/values are computed once per source."""
+
+    def memory_kv(self, memory, keep, e: LowRankProjection | None = None, f: LowRankProjection | None = None):
+        """-> keys (B, H, S', hd), values, and a bool mask broadcastable to the scores."""
+        k, v = self.heads(self.k(memory)), self.heads(self.v(memory))
+        if e is None:
+            return k, v, keep[:, None, None, :]
+        k, valid = e(k, keep)
+        v, _ = f(v, keep)
+        if valid is None:  # all k rows are real: give ONNX a concrete all-true mask
+            valid = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+        return k, v, valid[:, None, None, :]
+
+    def forward(self, x, k, v, allowed):
+        y = attend(self.heads(self.q(x)), k, v, allowed)
+        return self.out(merge_heads(y))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Blocks and models
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc, self.proj = nn.Linear(cfg.d_model, cfg.d_ff), nn.Linear(cfg.d_ff, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-LayerNorm: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.attn, self.mlp, self.drop = SelfAttention(cfg), MLP(cfg), nn.Dropout(cfg.dropout)
+
+    def forward(self, x, keep, e=None, f=None):
+        x = x + self.drop(self.attn(self.ln1(x), keep, e, f))
+        return x + self.mlp(self.ln2(x))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln1, self.ln2, self.ln3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
+        self.self_attn, self.cross_attn = CausalSelfAttention(cfg), CrossAttention(cfg)
+        self.mlp, self.drop = MLP(cfg), nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cross_kv, past=None):
+        y, present = self.self_attn(self.ln1(x), past)
+        x = x + self.drop(y)
+        x = x + self.drop(self.cross_attn(self.ln2(x), *cross_kv))
+        return x + self.mlp(self.ln3(x)), present
+
+
+def sinusoids(n: int, d: int) -> torch.Tensor:
+    """Fixed sine/cosine positions (Vaswani et al.): (n, d)."""
+    pos = torch.arange(n, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))
+    table = torch.zeros(n, d)
+    table[:, 0::2], table[:, 1::2] = torch.sin(pos * freq), torch.cos(pos * freq)
+    return table
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, embed: nn.Embedding | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = embed if embed is not None else nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.register_buffer("pos", sinusoids(cfg.n_max, cfg.d_model), persistent=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.n_layers))
+        if cfg.attention == "linformer":
+            self.projections, self.plan = build_projections(cfg, cfg.layer_ks())
+        else:
+            self.projections, self.plan = nn.ModuleList(), [(None, None)] * cfg.n_layers
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+
+    def forward(self, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """ids (B, T) int64, keep (B, T) bool (False at padding) -> (B, T, C)."""
+        T = ids.shape[1]
+        if not torch.jit.is_tracing() and not torch.compiler.is_compiling() and T > self.cfg.n_max:
+            raise ValueError(f"input length {T} exceeds the model's n_max={self.cfg.n_max}")
+        x = self.drop(self.embed(ids) + self.pos[:T])
+        for block, pair in zip(self.blocks, self.plan, strict=True):
+            x = block(x, keep, *projection_pair(self.projections, pair))
+        return self.ln_f(x)
+
+
+class Classifier(nn.Module):
+    """Encoder, mean over the real tokens, linear head: (B, T) -> logits (B, num_labels)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Encoder(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.head = nn.Linear(cfg.d_model, cfg.num_labels)
+        self.apply(init_weights)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        keep = attention_mask.bool()
+        h = self.encoder(input_ids, keep)  # (B, T, C)
+        w = keep.unsqueeze(-1).to(h.dtype)
+        pooled = (h * w).sum(dim=1) / w.sum(dim=1).clamp(min=1.0)
+        return self.head(self.drop(pooled))
+
+
+class Translator(nn.Module):
+    """Encoder-decoder with one joint vocabulary: embeddings and output layer are tied."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        assert cfg.n_decoder_layers > 0
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.encoder = Encoder(cfg, self.embed)
+        self.register_buffer("tgt_pos", sinusoids(cfg.tgt_n_max, cfg.d_model), persistent=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_decoder_layers))
+        if cfg.cross_attention == "linformer":
+            self.cross_projections, self.cross_plan = build_projections(
+                cfg, [cfg.k_cross] * cfg.n_decoder_layers
+            )
+        else:
+            self.cross_projections, self.cross_plan = nn.ModuleList(), [(None, None)] * cfg.n_decoder_layers
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.apply(init_weights)
+
+    def encode(self, src_ids: torch.Tensor, src_mask: torch.Tensor) -> list[tuple]:
+        """Source -> per decoder layer (keys, values, allowed): computed once per source."""
+        keep = src_mask.bool()
+        memory = self.encoder(src_ids, keep)
+        return [
+            block.cross_attn.memory_kv(memory, keep, *projection_pair(self.cross_projections, pair))
+            for block, pair in zip(self.blocks, self.cross_plan, strict=True)
+        ]
+
+    def decode(self, tgt_ids: torch.Tensor, cross: list[tuple], past: list | None = None):
+        """tgt_ids (B, T) continuing after the cached positions -> logits (B, T, V), new cache."""
+        P = 0 if past is None else past[0][0].shape[2]
+        T = tgt_ids.shape[1]
+        x = self.drop(self.embed(tgt_ids) + self.tgt_pos[P : P + T])
+        presents = []
+        for i, block in enumerate(self.blocks):
+            x, present = block(x, cross[i], None if past is None else past[i])
+            presents.append(present)
+        return F.linear(self.ln_f(x), self.embed.weight), presents
+
+    def forward(self, src_ids, src_mask, tgt_ids):
+        return self.decode(tgt_ids, self.encode(src_ids, src_mask))[0]
+
+
+def init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.02)
+        nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+
+
+def count_projection_matrices(model: nn.Module) -> int:
+    """Distinct k x n projection matrices (pooling has none): the paper's sharing arithmetic."""
+    return sum(m.num_matrices for m in model.modules() if isinstance(m, LowRankProjection))
