@@ -1,0 +1,116 @@
+"""create_app(settings): load and verify bundles at start-up, serve them, drain the batchers at shutdown."""
+
+import logging
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from fastapi import FastAPI
+
+from service.batcher import Batcher
+from service.bundle import BundleError, load_bundle
+from service.config import Settings
+from service.deps import ModelService, ServiceState
+from service.metrics import Metrics
+from service.middleware import RequestContextMiddleware
+from service.routes import router
+from service.runtime import ClassifierRuntime, choose_providers, make_session
+from service.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# Tests wrap the runtime (e.g. to make it slow); the wrapper must keep `run(input_ids, attention_mask)`.
+RuntimeWrapper = Callable[[ClassifierRuntime], Any]
+
+
+def load_models(
+    settings: Settings, metrics: Metrics, wrap_runtime: RuntimeWrapper | None = None
+) -> ServiceState:
+    """Missing bundles are fine (their routes answer 503); a bundle that fails verification is not."""
+    state = ServiceState(settings=settings, metrics=metrics)
+    providers = choose_providers(settings.execution_provider)
+    log.info(
+        "execution provider: %s (requested %s; onnxruntime %s offers %s)",
+        providers[0], settings.execution_provider, ort.__version__, ort.get_available_providers(),
+    )
+    for task, name in (("classify", settings.classify_model), ("translate", settings.translate_model)):
+        path = settings.models_dir / name
+        if not path.exists():
+            state.unavailable[task] = (
+                f"no {task} model yet: expected a bundle at {path}; export one into "
+                f"{settings.models_dir}/ (or set LINFORMER_MODELS_DIR) and restart"
+            )
+            log.warning("%s", state.unavailable[task])
+            continue
+        bundle = load_bundle(path)
+        if bundle.task != task:
+            raise BundleError(f"bundle {path} is a {bundle.task!r} bundle, configured as the {task} model")
+        tokenizer = Tokenizer.from_bundle(bundle)
+        if task == "translate":
+            state.models[task] = ModelService(bundle, tokenizer, None, execution_provider=providers[0])
+            state.unavailable[task] = f"translation bundle {bundle.name} found, but this server cannot run it"
+            log.warning("%s", state.unavailable[task])
+            continue
+        if bundle.n_max > settings.max_batch_tokens:
+            log.warning("n_max=%d exceeds MAX_BATCH_TOKENS=%d: long texts run alone in oversized batches",
+                        bundle.n_max, settings.max_batch_tokens)
+        runtime = ClassifierRuntime(
+            make_session(
+                bundle.onnx_path("model"), providers,
+                intra_op_threads=settings.ort_intra_op_threads,
+                inter_op_threads=settings.ort_inter_op_threads,
+            )
+        )
+        # the first run allocates and picks kernels; do it now rather than in someone's request
+        runtime.run(np.full((1, 8), bundle.bos_id, dtype=np.int64), np.ones((1, 8), dtype=np.int64))
+        runner = wrap_runtime(runtime) if wrap_runtime else runtime
+        batcher = Batcher(
+            lambda input_ids, attention_mask, _options, runner=runner: runner.run(input_ids, attention_mask),
+            name=bundle.name,
+            pad_id=bundle.pad_id,
+            max_batch_size=settings.max_batch_size,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_wait_s=settings.max_wait_ms / 1000,
+            max_queue=settings.max_queue,
+            metrics=metrics,
+        )
+        state.models[task] = ModelService(bundle, tokenizer, batcher, execution_provider=runtime.provider)
+        log.info(
+            "serving %s: task=%s attention=%s n_max=%d k=%s from %s on %s",
+            bundle.name, bundle.task, bundle.attention, bundle.n_max, bundle.k, path, runtime.provider,
+        )
+    return state
+
+
+def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            state = load_models(settings, metrics, wrap_runtime)
+        except BundleError as e:
+            log.error("refusing to start: %s", e)
+            raise
+        app.state.service = state
+        batchers = [m.batcher for m in state.models.values() if m.batcher is not None]
+        for batcher in batchers:
+            batcher.start()
+        yield
+        # uvicorn has stopped accepting and waited for in-flight requests; finish anything still queued
+        for batcher in batchers:
+            await batcher.close()
+        log.info("batchers drained, shutting down")
+
+    app = FastAPI(
+        title="linformer-serve",
+        summary="Linformer classification and translation over ONNX Runtime, with dynamic batching.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.include_router(router)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,246 @@
+"""The whole dynamic-batching policy: one queue per model, one batch computing at a time.
+
+A request's texts enter the queue as separate items (already tokenised), each with its own future;
+the request awaits all of them, so its results come back in order even when its texts are split
+across batches. The worker forms a batch from the oldest live item plus the queued items closest to
+it in length, within `max_batch_size` items and `max_batch_tokens` padded tokens (batch x longest).
+A batch is sent as soon as it is full or the runtime is free and the oldest item has waited
+`max_wait_s`; while the runtime computes, new items queue and make the next batch. Items whose
+request is gone (client disconnected, deadline passed) are dropped before compute. The queue is
+bounded (QueueFull -> 429). The runtime call runs in a worker thread, off the event loop.
+
+The batcher knows nothing about the task: `run_batch(input_ids, attention_mask, options)` returns one
+output per row. Items are only batched with items of equal `options` (e.g. a translation request's
+beam size), so a translation runtime plugs in without changing this file.
+"""
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from service.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+RunBatch = Callable[[np.ndarray, np.ndarray, Hashable], Sequence[Any]]
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after_s: int):
+        self.retry_after_s = retry_after_s
+        super().__init__("the server is at capacity; retry later")
+
+
+class DeadlineExceeded(Exception):
+    pass
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class _Item:
+    ids: list[int]
+    options: Hashable
+    future: asyncio.Future
+    enqueued_at: float  # time.monotonic()
+    deadline: float  # time.monotonic()
+    length: int = field(init=False)
+
+    def __post_init__(self):
+        self.length = len(self.ids)
+
+
+class Batcher:
+    def __init__(
+        self,
+        run_batch: RunBatch,
+        *,
+        name: str,
+        pad_id: int,
+        max_batch_size: int,
+        max_batch_tokens: int,
+        max_wait_s: float,
+        max_queue: int,
+        metrics: Metrics | None = None,
+    ):
+        self.run_batch = run_batch
+        self.name = name
+        self.pad_id = pad_id
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_wait_s = max_wait_s
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._queue: list[_Item] = []  # arrival order
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self._worker: asyncio.Task | None = None
+        # one thread: batches of a model run one at a time, ORT's intra-op threads use the cores
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{name}")
+        self._batch_seconds = 0.0  # moving average, for Retry-After
+
+    # ---- request side (event loop) ----
+
+    def start(self) -> None:
+        self._worker = asyncio.get_running_loop().create_task(self._work(), name=f"batcher-{self.name}")
+
+    async def close(self) -> None:
+        """Stop taking requests, finish every queued item, then stop the worker."""
+        self._closing = True
+        self._wakeup.set()
+        if self._worker is not None:
+            await self._worker
+        self._executor.shutdown(wait=True)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    async def submit(self, token_ids: list[list[int]], *, timeout_s: float, options: Hashable = None) -> list:
+        """Queue one request's texts; return one output per text, in order.
+
+        Raises QueueFull, DeadlineExceeded or ShuttingDown. If the caller is cancelled (its client went
+        away), its items are dropped before compute.
+        """
+        if self._closing:
+            raise ShuttingDown()
+        self._drop_finished()
+        if len(self._queue) + len(token_ids) > self.max_queue:
+            raise QueueFull(self._retry_after_s())
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        items = [_Item(ids, options, loop.create_future(), now, now + timeout_s) for ids in token_ids]
+        self._queue.extend(items)
+        self._set_depth()
+        self._wakeup.set()
+        futures = [item.future for item in items]
+        try:
+            return await asyncio.wait_for(asyncio.gather(*futures), timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded() from None
+        finally:
+            for future in futures:  # no-op for finished ones; the rest are skipped by the worker
+                future.cancel()
+
+    def _retry_after_s(self) -> int:
+        batches_ahead = math.ceil(len(self._queue) / self.max_batch_size)
+        return max(1, math.ceil(batches_ahead * self._batch_seconds))
+
+    # ---- worker side (event loop; compute in the executor thread) ----
+
+    async def _work(self) -> None:
+        while True:
+            self._drop_finished()
+            if not self._queue:
+                if self._closing:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch, full = self._plan_batch()
+            wait_left = self._queue[0].enqueued_at + self.max_wait_s - time.monotonic()
+            if not full and wait_left > 0 and not self._closing:
+                self._wakeup.clear()  # no await since planning: an arrival cannot slip between
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), wait_left)
+                except TimeoutError:
+                    pass
+                continue
+            taken = set(map(id, batch))
+            self._queue = [item for item in self._queue if id(item) not in taken]
+            self._set_depth()
+            await self._compute(batch)
+
+    def _drop_finished(self) -> None:
+        """Forget items nobody waits for: cancelled (client gone) or past their deadline."""
+        now = time.monotonic()
+        live = []
+        for item in self._queue:
+            if item.future.done():
+                self._count_dropped("cancelled")
+            elif item.deadline <= now:
+                item.future.set_exception(DeadlineExceeded())
+                self._count_dropped("deadline")
+            else:
+                live.append(item)
+        if len(live) != len(self._queue):
+            self._queue = live
+            self._set_depth()
+
+    def _plan_batch(self) -> tuple[list[_Item], bool]:
+        """The oldest item plus those closest to it in length that fit; `full` if nothing more could join."""
+        oldest = self._queue[0]
+        candidates = [item for item in self._queue[1:] if item.options == oldest.options]
+        # closest in length first, older first among equals: less padding, no starvation of the oldest
+        candidates.sort(key=lambda item: abs(item.length - oldest.length))
+        batch, longest, full = [oldest], oldest.length, False
+        for item in candidates:
+            if len(batch) == self.max_batch_size:
+                full = True
+                break
+            new_longest = max(longest, item.length)
+            if (len(batch) + 1) * new_longest > self.max_batch_tokens:
+                full = True  # this one would bust the token budget; waiting cannot make it fit
+                continue
+            batch.append(item)
+            longest = new_longest
+        full = full or len(batch) == self.max_batch_size
+        return batch, full
+
+    async def _compute(self, batch: list[_Item]) -> None:
+        started = time.monotonic()
+        if self.metrics:
+            for item in batch:
+                self.metrics.queue_wait.labels(self.name).observe(started - item.enqueued_at)
+        loop = asyncio.get_running_loop()
+        try:
+            outputs = await loop.run_in_executor(
+                self._executor, self._pad_and_run, [item.ids for item in batch], batch[0].options
+            )
+        except Exception as e:  # a runtime failure fails this batch's requests, not the server
+            log.exception("model=%s batch of %d failed", self.name, len(batch))
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(e)
+            return
+        elapsed = time.monotonic() - started
+        self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * elapsed
+        for item, output in zip(batch, outputs, strict=True):
+            if not item.future.done():
+                item.future.set_result(output)
+
+    def _pad_and_run(self, sequences: list[list[int]], options: Hashable) -> Sequence[Any]:
+        longest = max(map(len, sequences))
+        input_ids = np.full((len(sequences), longest), self.pad_id, dtype=np.int64)
+        attention_mask = np.zeros((len(sequences), longest), dtype=np.int64)
+        for row, ids in enumerate(sequences):
+            input_ids[row, : len(ids)] = ids
+            attention_mask[row, : len(ids)] = 1
+        started = time.perf_counter()
+        outputs = self.run_batch(input_ids, attention_mask, options)
+        if self.metrics:
+            self.metrics.observe_batch(
+                self.name,
+                size=len(sequences),
+                real_tokens=sum(map(len, sequences)),
+                padded_tokens=input_ids.size,
+                inference_s=time.perf_counter() - started,
+            )
+        return outputs
+
+    def _set_depth(self) -> None:
+        if self.metrics:
+            self.metrics.queue_depth.labels(self.name).set(len(self._queue))
+
+    def _count_dropped(self, reason: str) -> None:
+        if self.metrics:
+            self.metrics.dropped.labels(self.name, reason).inc()

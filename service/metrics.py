@@ -1,0 +1,54 @@
+"""Prometheus metrics, one registry per app (so several apps in one process do not collide)."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "linformer_requests", "HTTP requests by route and status code", ["route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "linformer_request_duration_seconds", "End-to-end HTTP latency", ["route"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_wait = Histogram(
+            "linformer_queue_wait_seconds", "Time a text waited in the batcher queue", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.inference = Histogram(
+            "linformer_inference_seconds", "Runtime call per batch", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.batch_size = Histogram(
+            "linformer_batch_size", "Texts per batch", ["model"], buckets=BATCH_SIZE_BUCKETS, registry=r
+        )
+        self.real_tokens = Histogram(
+            "linformer_batch_real_tokens", "Non-padding tokens per batch", ["model"],
+            buckets=TOKEN_BUCKETS, registry=r,
+        )
+        self.padded_tokens = Histogram(
+            "linformer_batch_padded_tokens", "Tokens per batch including padding (batch x longest)",
+            ["model"], buckets=TOKEN_BUCKETS, registry=r,
+        )
+        self.queue_depth = Gauge("linformer_queue_depth", "Texts waiting in the queue", ["model"], registry=r)
+        self.dropped = Counter(
+            "linformer_dropped_texts", "Queued texts dropped before compute", ["model", "reason"], registry=r
+        )
+        self.rejected = Counter(
+            "linformer_rejected_requests", "Requests refused with 429 (queue full)", ["model"], registry=r
+        )
+
+    def observe_batch(
+        self, model: str, *, size: int, real_tokens: int, padded_tokens: int, inference_s: float
+    ) -> None:
+        self.batch_size.labels(model).observe(size)
+        self.real_tokens.labels(model).observe(real_tokens)
+        self.padded_tokens.labels(model).observe(padded_tokens)
+        self.inference.labels(model).observe(inference_s)

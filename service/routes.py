@@ -1,0 +1,172 @@
+"""HTTP routes: validate -> tokenise -> batcher -> decode -> response. No policy lives here."""
+
+import asyncio
+from collections.abc import Hashable
+
+import numpy as np
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from service.batcher import DeadlineExceeded, QueueFull, ShuttingDown
+from service.deps import ModelService, ServiceState, State, serving_model
+from service.schemas import (
+    ClassifyRequest,
+    ClassifyResponse,
+    ClassifyResult,
+    ModelInfo,
+    ModelsResponse,
+    Readiness,
+    TranslateRequest,
+    TranslateResponse,
+)
+from service.tokenizer import TextTooLong
+
+router = APIRouter()
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but logs and metrics say what happened
+
+
+# ---- shared steps ----
+
+
+def _check_text_count(texts: list[str], limit: int) -> None:
+    if len(texts) > limit:
+        raise RequestValidationError(
+            [{"type": "too_long", "loc": ("body", "texts"), "input": len(texts),
+              "msg": f"at most {limit} texts per request, got {len(texts)}"}]
+        )
+
+
+def _tokenise(model: ModelService, texts: list[str], truncate: bool):
+    try:
+        return model.tokenizer.encode_all(texts, truncate=truncate)
+    except TextTooLong as e:
+        raise HTTPException(413, str(e)) from None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message is http.disconnect: the client went away
+    # (or the response was sent, by which time nobody waits on this any more).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _infer(
+    request: Request, state: ServiceState, model: ModelService, token_ids: list[list[int]],
+    options: Hashable = None,
+) -> list:
+    """Queue the texts and await their outputs; a client that disconnects meanwhile is dropped."""
+    assert model.batcher is not None
+    outputs = asyncio.ensure_future(
+        model.batcher.submit(token_ids, timeout_s=state.settings.request_timeout_s, options=options)
+    )
+    disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({outputs, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnected.cancel()
+        outputs.cancel()  # no-op once answered; otherwise its texts are skipped when a batch is formed
+    if outputs.cancelled():
+        raise HTTPException(CLIENT_CLOSED_REQUEST, "client closed the request")
+    try:
+        return outputs.result()
+    except QueueFull as e:
+        state.metrics.rejected.labels(model.bundle.name).inc()
+        raise HTTPException(429, str(e), headers={"Retry-After": str(e.retry_after_s)}) from None
+    except DeadlineExceeded:
+        raise HTTPException(
+            504, f"request not answered within {state.settings.request_timeout_s:g} s; try again later"
+        ) from None
+    except ShuttingDown:
+        raise HTTPException(503, "the server is shutting down") from None
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max())
+    return shifted / shifted.sum()
+
+
+# ---- tasks ----
+
+
+@router.post("/classify", response_model=ClassifyResponse, tags=["tasks"])
+async def classify(body: ClassifyRequest, request: Request, state: State):
+    """Label each text (e.g. review sentiment); results come back in input order."""
+    model = serving_model(state, "classify")
+    texts = body.all_texts
+    _check_text_count(texts, state.settings.max_texts_per_request)
+    encoded = _tokenise(model, texts, body.truncate)
+    logits = await _infer(request, state, model, [e.ids for e in encoded])
+    labels = model.bundle.labels
+    results = []
+    for enc, row in zip(encoded, logits, strict=True):
+        probs = _softmax(np.asarray(row, dtype=np.float64))
+        best = int(probs.argmax())
+        results.append(
+            ClassifyResult(
+                label=labels[best],
+                score=float(probs[best]),
+                scores={label: float(p) for label, p in zip(labels, probs, strict=True)},
+                tokens=len(enc.ids),
+                truncated=enc.truncated,
+            )
+        )
+    return ClassifyResponse(model=model.bundle.name, results=results)
+
+
+@router.post("/translate", response_model=TranslateResponse, tags=["tasks"])
+async def translate(body: TranslateRequest, request: Request, state: State):
+    """Translate English to German (503 until a translation bundle and runtime are in place)."""
+    model = serving_model(state, "translate")
+    texts = body.all_texts
+    _check_text_count(texts, state.settings.max_texts_per_request)
+    encoded = _tokenise(model, texts, body.truncate)
+    # the decoding runtime is batched per (beam_size, max_new_tokens): see Batcher's `options`
+    outputs = await _infer(
+        request, state, model, [e.ids for e in encoded], options=(body.beam_size, body.max_new_tokens)
+    )
+    return TranslateResponse(
+        model=model.bundle.name,
+        translations=[{"text": model.tokenizer.decode(list(ids)), "tokens": len(ids)} for ids in outputs],
+    )
+
+
+# ---- operations ----
+
+
+@router.get("/healthz", tags=["ops"])
+async def healthz() -> dict:
+    """The process is alive (it may still have no model: see /readyz)."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", response_model=Readiness, tags=["ops"])
+async def readyz(state: State):
+    """Ready when at least one model is loaded and serving."""
+    serving = [m.bundle.name for m in state.models.values() if m.batcher is not None]
+    if serving:
+        return Readiness(ready=True, models=serving, detail="ok")
+    detail = "; ".join(state.unavailable.values()) or "no model is loaded"
+    return JSONResponse(Readiness(ready=False, models=[], detail=detail).model_dump(), status_code=503)
+
+
+@router.get("/v1/models", response_model=ModelsResponse, tags=["ops"])
+async def list_models(state: State):
+    """Bundles loaded by this server."""
+    return ModelsResponse(
+        models=[
+            ModelInfo(
+                name=m.bundle.name, task=m.bundle.task, attention=m.bundle.attention, n_max=m.bundle.n_max,
+                k=m.bundle.k, labels=m.bundle.labels, execution_provider=m.execution_provider,
+                serving=m.batcher is not None,
+            )
+            for m in state.models.values()
+        ]
+    )
+
+
+@router.get("/metrics", tags=["ops"], include_in_schema=False)
+async def metrics(state: State) -> Response:
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,87 @@
+"""Request and response bodies. Unknown fields and wrong types are refused (422), never coerced."""
+
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+
+def _not_blank(text: str) -> str:
+    if not text.strip():
+        raise ValueError("text must not be empty or only whitespace")
+    return text
+
+
+Text = Annotated[str, AfterValidator(_not_blank)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    text: Text | None = Field(None, description="One text; use either `text` or `texts`.")
+    texts: list[Text] | None = Field(None, min_length=1, description="Several texts, answered in order.")
+    truncate: bool = Field(False, description="Cut texts over the model's n_max tokens instead of a 413.")
+
+    @model_validator(mode="after")
+    def _exactly_one_of_text_and_texts(self):
+        if (self.text is None) == (self.texts is None):
+            raise ValueError("send exactly one of `text` or `texts`")
+        return self
+
+    @property
+    def all_texts(self) -> list[str]:
+        return [self.text] if self.text is not None else list(self.texts)
+
+
+class ClassifyRequest(_Request):
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"texts": ["A wonderful film.", "Two hours I will not get back."]}]}
+    )
+
+
+class ClassifyResult(BaseModel):
+    label: str
+    score: float = Field(description="Probability of `label`, the most likely one.")
+    scores: dict[str, float] = Field(description="Softmax probability of every label.")
+    tokens: int = Field(description="Tokens the model saw, BOS/EOS included.")
+    truncated: bool
+
+
+class ClassifyResponse(BaseModel):
+    model: str
+    results: list[ClassifyResult]
+
+
+class TranslateRequest(_Request):
+    beam_size: int = Field(1, ge=1, le=8)
+    max_new_tokens: int = Field(256, ge=1, le=4096)
+
+
+class Translation(BaseModel):
+    text: str
+    tokens: int
+
+
+class TranslateResponse(BaseModel):
+    model: str
+    translations: list[Translation]
+
+
+class ModelInfo(BaseModel):
+    name: str
+    task: str
+    attention: str
+    n_max: int
+    k: int | None
+    labels: list[str]
+    execution_provider: str
+    serving: bool = Field(description="False when the bundle loaded but this server cannot run its task.")
+
+
+class ModelsResponse(BaseModel):
+    models: list[ModelInfo]
+
+
+class Readiness(BaseModel):
+    ready: bool
+    models: list[str]
+    detail: str

@@ -1,0 +1,61 @@
+"""Text -> token ids exactly as the bundle was trained: SentencePiece, then BOS/EOS per config.json."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import sentencepiece as spm
+
+from service.bundle import Bundle
+
+
+class TextTooLong(ValueError):
+    def __init__(self, index: int, n_tokens: int, n_max: int):
+        self.index, self.n_tokens, self.n_max = index, n_tokens, n_max
+        super().__init__(
+            f"text {index} is {n_tokens} tokens, over this model's limit of n_max={n_max} tokens; "
+            'shorten it or send "truncate": true to cut it to the limit'
+        )
+
+
+@dataclass(frozen=True)
+class Encoded:
+    ids: list[int]
+    truncated: bool
+
+
+class Tokenizer:
+    def __init__(
+        self, model_file: Path, *, bos_id: int, eos_id: int, add_bos: bool, add_eos: bool, n_max: int
+    ):
+        self._sp = spm.SentencePieceProcessor(model_file=str(model_file))
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.add_bos, self.add_eos = add_bos, add_eos
+        self.n_max = n_max
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle) -> "Tokenizer":
+        return cls(
+            bundle.tokenizer_path,
+            bos_id=bundle.bos_id,
+            eos_id=bundle.eos_id,
+            add_bos=bundle.add_bos,
+            add_eos=bundle.add_eos,
+            n_max=bundle.n_max,
+        )
+
+    def encode_all(self, texts: list[str], *, truncate: bool) -> list[Encoded]:
+        """Raises TextTooLong for the first text over n_max unless truncate, which cuts the body."""
+        n_special = int(self.add_bos) + int(self.add_eos)
+        encoded = []
+        for index, body in enumerate(self._sp.encode(texts)):
+            truncated = len(body) + n_special > self.n_max
+            if truncated:
+                if not truncate:
+                    raise TextTooLong(index, len(body) + n_special, self.n_max)
+                body = body[: self.n_max - n_special]
+            ids = [self.bos_id] * self.add_bos + body + [self.eos_id] * self.add_eos
+            encoded.append(Encoded(ids, truncated))
+        return encoded
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode(ids)
