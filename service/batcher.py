@@ -124,9 +124,13 @@ class Batcher:
         self._wakeup.set()
         futures = [item.future for item in items]
         try:
-            return await asyncio.wait_for(asyncio.gather(*futures), timeout_s)
-        except TimeoutError:
-            raise DeadlineExceeded() from None
+            _, pending = await asyncio.wait(futures, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+            for future in futures:
+                if future.done() and future.exception() is not None:
+                    raise future.exception()
+            if pending:
+                raise DeadlineExceeded()
+            return [future.result() for future in futures]
         finally:
             for future in futures:  # no-op for finished ones; the rest are skipped by the worker
                 future.cancel()

@@ -64,11 +64,12 @@ async def _infer(
     )
     disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({outputs, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({outputs, disconnected}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         disconnected.cancel()
-        outputs.cancel()  # no-op once answered; otherwise its texts are skipped when a batch is formed
-    if outputs.cancelled():
+        if not outputs.done():
+            outputs.cancel()  # its queued texts are skipped when the next batch is formed
+    if outputs not in done:
         raise HTTPException(CLIENT_CLOSED_REQUEST, "client closed the request")
     try:
         return outputs.result()

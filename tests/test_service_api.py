@@ -1,0 +1,197 @@
+"""The HTTP contract, through the real app, the real ONNX session and the real tokenizer."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import TINY_N_MAX, make_settings, running_service
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def client(models_dir):
+    async with running_service(make_settings(models_dir, max_texts_per_request=8, max_body_bytes=4096)) as c:
+        yield c
+
+
+async def test_classify_answers_each_text_in_order_with_probabilities(client):
+    texts = ["the film was great and moving", "bad boring awful", "a story", "the music"]
+    r = await client.post("/classify", json={"texts": texts})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "classify-linformer"
+    assert len(body["results"]) == len(texts)
+    for result in body["results"]:
+        assert set(result["scores"]) == {"negative", "positive"}
+        assert sum(result["scores"].values()) == pytest.approx(1.0)
+        assert result["label"] == max(result["scores"], key=result["scores"].get)
+        assert result["score"] == result["scores"][result["label"]]
+        assert result["truncated"] is False
+    # order: each text answered alone gives the same result at the same position
+    for text, result in zip(texts, body["results"], strict=True):
+        alone = (await client.post("/classify", json={"text": text})).json()["results"][0]
+        assert alone["scores"] == pytest.approx(result["scores"], abs=1e-6)
+        assert alone["tokens"] == result["tokens"]
+
+
+async def test_token_count_includes_bos(client, models_dir):
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(models_dir / "classify-linformer" / "tokenizer.model"))
+    r = await client.post("/classify", json={"text": "the film"})
+    assert r.json()["results"][0]["tokens"] == len(sp.encode("the film")) + 1
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"text": ""},
+        {"text": "   "},
+        {"texts": []},
+        {"texts": ["fine", ""]},
+        {},
+        {"text": "a", "texts": ["b"]},
+        {"text": 5},
+        {"texts": "not a list"},
+        {"texts": ["ok", 3]},
+        {"text": "ok", "truncate": "yes"},
+        {"text": "ok", "unknown_field": 1},
+        ["a", "b"],
+    ],
+    ids=lambda p: json.dumps(p)[:40],
+)
+async def test_bad_input_is_422(client, payload):
+    r = await client.post("/classify", json=payload)
+    assert r.status_code == 422, r.text
+
+
+async def test_malformed_json_is_422(client):
+    headers = {"content-type": "application/json"}
+    r = await client.post("/classify", content=b'{"texts": ["a",', headers=headers)
+    assert r.status_code == 422
+
+
+async def test_too_many_texts_is_422_naming_the_limit(client):
+    r = await client.post("/classify", json={"texts": ["the film"] * 9})
+    assert r.status_code == 422
+    assert "at most 8 texts" in r.text
+
+
+async def test_text_over_n_max_is_413_naming_the_limit(client):
+    r = await client.post("/classify", json={"texts": ["short", "the film " * TINY_N_MAX]})
+    assert r.status_code == 413
+    assert f"n_max={TINY_N_MAX}" in r.json()["detail"] and "text 1" in r.json()["detail"]
+
+
+async def test_truncate_cuts_to_n_max_and_says_so(client):
+    r = await client.post("/classify", json={"texts": ["the film " * TINY_N_MAX, "short"], "truncate": True})
+    assert r.status_code == 200
+    long, short = r.json()["results"]
+    assert long["tokens"] == TINY_N_MAX and long["truncated"] is True
+    assert short["truncated"] is False
+
+
+async def test_body_over_limit_is_413(client):
+    r = await client.post("/classify", json={"text": "the film " * 1000})  # ~9 KB > 4096
+    assert r.status_code == 413
+    assert "4096 bytes" in r.json()["detail"]
+
+
+async def test_chunked_body_over_limit_is_413(client):
+    async def chunks():
+        yield b'{"text": "'
+        for _ in range(100):
+            yield b"the film " * 10
+        yield b'"}'
+
+    r = await client.post("/classify", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+async def test_translate_is_503_until_a_translation_bundle_exists(client):
+    r = await client.post("/translate", json={"text": "Hello world", "beam_size": 4})
+    assert r.status_code == 503
+    assert "translate" in r.json()["detail"] and "bundle" in r.json()["detail"]
+    assert (await client.post("/translate", json={"text": "hi", "beam_size": 9})).status_code == 422
+
+
+async def test_ops_routes(client):
+    assert (await client.get("/healthz")).status_code == 200
+    ready = await client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["models"] == ["classify-linformer"]
+    models = (await client.get("/v1/models")).json()["models"]
+    assert models == [
+        {"name": "classify-linformer", "task": "classify", "attention": "transformer", "n_max": TINY_N_MAX,
+         "k": None, "labels": ["negative", "positive"], "execution_provider": "CPUExecutionProvider",
+         "serving": True}
+    ]
+    assert (await client.get("/docs")).status_code == 200
+    assert "/classify" in (await client.get("/openapi.json")).json()["paths"]
+    await client.post("/classify", json={"text": "the film"})
+    metrics = (await client.get("/metrics")).text
+    assert 'linformer_requests_total{route="/classify",status="200"}' in metrics
+    for name in ["linformer_batch_size", "linformer_queue_wait_seconds", "linformer_inference_seconds",
+                 "linformer_batch_padded_tokens", "linformer_batch_real_tokens", "linformer_queue_depth",
+                 "linformer_request_duration_seconds"]:
+        assert name in metrics
+
+
+async def test_request_id_is_echoed_or_created(client):
+    r = await client.get("/healthz", headers={"x-request-id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42"
+    r = await client.post("/classify", json={"text": ""})
+    assert len(r.headers["x-request-id"]) == 32
+    r = await client.get("/healthz", headers={"x-request-id": "bad id\twith spaces"})
+    assert r.headers["x-request-id"] != "bad id\twith spaces"
+
+
+async def test_without_bundles_the_service_starts_and_says_no_model(tmp_path):
+    async with running_service(make_settings(tmp_path)) as client:
+        assert (await client.get("/healthz")).status_code == 200
+        ready = await client.get("/readyz")
+        assert ready.status_code == 503 and "no classify model yet" in ready.json()["detail"]
+        r = await client.post("/classify", json={"text": "the film"})
+        assert r.status_code == 503 and str(tmp_path / "classify-linformer") in r.json()["detail"]
+        assert (await client.get("/v1/models")).json() == {"models": []}
+
+
+async def test_corrupt_bundle_refuses_to_start(models_dir, tmp_path):
+    from service.app import create_app
+    from service.bundle import BundleError
+
+    bundle = shutil.copytree(models_dir / "classify-linformer", tmp_path / "classify-linformer")
+    onnx_bytes = bytearray((bundle / "model.onnx").read_bytes())
+    onnx_bytes[-1] ^= 0xFF
+    (bundle / "model.onnx").write_bytes(bytes(onnx_bytes))
+    app = create_app(make_settings(tmp_path))
+    with pytest.raises(BundleError, match="model.onnx does not match manifest.json"):
+        async with app.router.lifespan_context(app):
+            pass
+
+
+async def test_outputs_match_onnxruntime_directly(client, models_dir):
+    """The service adds nothing to the model's numbers: same softmax as a direct session.run."""
+    import onnxruntime as ort
+    import sentencepiece as spm
+
+    bundle = models_dir / "classify-linformer"
+    sp = spm.SentencePieceProcessor(model_file=str(bundle / "tokenizer.model"))
+    session = ort.InferenceSession(str(bundle / "model.onnx"), providers=["CPUExecutionProvider"])
+    text = "a wonderful moving story"
+    ids = np.array([[2, *sp.encode(text)]], dtype=np.int64)
+    logits = session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0][0]
+    expected = np.exp(logits) / np.exp(logits).sum()
+    got = (await client.post("/classify", json={"text": text})).json()["results"][0]["scores"]
+    assert [got["negative"], got["positive"]] == pytest.approx(expected.tolist(), abs=1e-6)
+
+
+def test_service_never_imports_torch_or_onnx():
+    import subprocess
+    import sys
+
+    code = "import sys, service.app, service.__main__; print(sorted({'torch','onnx'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+

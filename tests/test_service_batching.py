@@ -1,0 +1,271 @@
+"""Dynamic batching: equal answers, real batches, overload (429), deadlines (504), dropped clients."""
+
+import asyncio
+import json
+import re
+import time
+
+import numpy as np
+import pytest
+from conftest import SlowRuntime, make_settings, running_service
+
+from service.batcher import Batcher, DeadlineExceeded, QueueFull
+
+pytestmark = pytest.mark.anyio
+
+TEXTS = [
+    "the film",
+    "a wonderful moving story with great music and a brilliant ending",
+    "bad",
+    "boring awful slow and much too long",
+    "the best director never made a worse script",
+    "fun",
+    "really quite good",
+    "the actor was not bad but the plot was dull and the camera work weak",
+]
+
+
+def metric(text: str, name: str) -> float:
+    """Sum of a sample over all label sets in Prometheus text output."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.M)
+    return sum(float(v) for v in pattern.findall(text))
+
+
+async def test_batched_answers_equal_one_at_a_time_answers(models_dir):
+    async with running_service(make_settings(models_dir)) as client:
+        alone = []
+        for text in TEXTS:
+            r = await client.post("/classify", json={"text": text})
+            alone.append(r.json()["results"][0])
+        metrics = (await client.get("/metrics")).text
+        assert metric(metrics, "linformer_batch_padded_tokens_sum") == metric(
+            metrics, "linformer_batch_real_tokens_sum"
+        )  # one text per batch: no padding yet
+
+        together = (await client.post("/classify", json={"texts": TEXTS})).json()["results"]
+        metrics = (await client.get("/metrics")).text
+        # the multi-length batch really was padded, and padding changed nothing
+        assert metric(metrics, "linformer_batch_padded_tokens_sum") > metric(
+            metrics, "linformer_batch_real_tokens_sum"
+        )
+    for one, batched in zip(alone, together, strict=True):
+        assert batched["label"] == one["label"] and batched["tokens"] == one["tokens"]
+        for label in one["scores"]:
+            assert batched["scores"][label] == pytest.approx(one["scores"][label], abs=1e-5)
+
+
+async def test_concurrent_requests_share_batches(models_dir):
+    settings = make_settings(models_dir, max_wait_ms=300)
+    async with running_service(settings) as client:
+        responses = await asyncio.gather(*(client.post("/classify", json={"text": t}) for t in TEXTS))
+        assert [r.status_code for r in responses] == [200] * len(TEXTS)
+        metrics = (await client.get("/metrics")).text
+    assert metric(metrics, "linformer_batch_size_sum") == len(TEXTS)
+    assert metric(metrics, "linformer_batch_size_count") <= 2  # 8 texts in at most 2 batches
+
+
+async def test_a_full_batch_goes_without_waiting(models_dir):
+    settings = make_settings(models_dir, max_wait_ms=30_000, max_batch_size=4)
+    async with running_service(settings) as client:
+        started = time.monotonic()
+        r = await client.post("/classify", json={"texts": TEXTS})
+        assert r.status_code == 200 and time.monotonic() - started < 5
+        metrics = (await client.get("/metrics")).text
+    assert metric(metrics, "linformer_batch_size_count") == 2
+
+
+async def test_flood_beyond_the_queue_gets_429_with_retry_after(models_dir):
+    settings = make_settings(models_dir, max_queue=3, max_batch_size=1)
+    async with running_service(settings, wrap_runtime=lambda rt: SlowRuntime(rt, 0.1)) as client:
+        flood = [client.post("/classify", json={"text": "the film"}) for _ in range(12)]
+        responses = await asyncio.gather(*flood)
+        codes = sorted(r.status_code for r in responses)
+        assert 429 in codes and 200 in codes and set(codes) == {200, 429}
+        rejected = next(r for r in responses if r.status_code == 429)
+        assert int(rejected.headers["retry-after"]) >= 1
+        # once the flood has drained, the server answers normally again
+        assert (await client.post("/classify", json={"text": "the film"})).status_code == 200
+
+
+async def test_request_past_its_deadline_gets_504_and_is_not_computed(models_dir):
+    slow = None
+
+    def wrap(runtime):
+        nonlocal slow
+        slow = SlowRuntime(runtime, 0.5)
+        return slow
+
+    settings = make_settings(models_dir, request_timeout_s=0.25, max_batch_size=1)
+    async with running_service(settings, wrap_runtime=wrap) as client:
+        first = asyncio.create_task(client.post("/classify", json={"text": "the film"}))
+        await asyncio.sleep(0.05)  # the first is computing; the second waits behind it
+        second = await client.post("/classify", json={"text": "bad"})
+        assert second.status_code == 504 and "0.25 s" in second.json()["detail"]
+        assert (await first).status_code == 504  # computing longer than its deadline
+        await asyncio.sleep(0.6)  # give a (wrong) batcher time to compute the expired text
+        assert slow.batches == [1]
+
+
+async def test_a_disconnected_client_is_dropped_before_compute(models_dir):
+    from service.app import create_app
+
+    slow = None
+
+    def wrap(runtime):
+        nonlocal slow
+        slow = SlowRuntime(runtime, 0.3)
+        return slow
+
+    app = create_app(make_settings(models_dir, max_batch_size=1), wrap_runtime=wrap)
+    async with app.router.lifespan_context(app):
+        busy = asyncio.create_task(_asgi_post(app, {"text": "the film"}, disconnect_after_s=None))
+        await asyncio.sleep(0.05)
+        gone = await _asgi_post(app, {"text": "bad"}, disconnect_after_s=0.05)
+        assert gone == 499
+        assert await busy == 200
+        await asyncio.sleep(0.4)
+        assert slow.batches == [1]  # only the request whose client stayed was computed
+
+
+async def _asgi_post(app, payload, disconnect_after_s):
+    """One raw ASGI request whose client can hang up mid-way (httpx cannot simulate that)."""
+    body = json.dumps(payload).encode()
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    status = None
+
+    async def receive():
+        if pending:
+            return pending.pop()
+        if disconnect_after_s is None:
+            await asyncio.Event().wait()  # never hangs up; cancelled by the app once it answers
+        await asyncio.sleep(disconnect_after_s)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/classify", "raw_path": b"/classify", "query_string": b"", "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 12345), "server": ("service", 80),
+    }
+    await app(scope, receive, send)
+    return status
+
+
+# ---- the policy itself, with a runtime that just reports what it was given ----
+
+
+class RecordingRuntime:
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
+        self.batches: list[list[int]] = []  # real lengths per batch
+
+    def __call__(self, input_ids, attention_mask, options):
+        time.sleep(self.delay_s)
+        lengths = attention_mask.sum(axis=1).tolist()
+        self.batches.append(lengths)
+        assert input_ids.shape == (len(lengths), max(lengths))
+        return [(int(length), options) for length in lengths]
+
+
+def make_batcher(runtime, **overrides):
+    config = {"name": "test", "pad_id": 0, "max_batch_size": 8, "max_batch_tokens": 1000, "max_wait_s": 0.0,
+              "max_queue": 100}
+    return Batcher(runtime, **{**config, **overrides})
+
+
+async def test_similar_lengths_are_batched_together_within_the_token_budget():
+    runtime = RecordingRuntime()
+    batcher = make_batcher(runtime, max_batch_tokens=40, max_wait_s=0.2)
+    batcher.start()
+    lengths = [10, 3, 9, 2, 10, 4]
+    outputs = await asyncio.gather(
+        *(batcher.submit([[1] * n], timeout_s=5) for n in lengths)
+    )
+    await batcher.close()
+    assert [out[0][0] for out in outputs] == lengths  # each request got its own row back
+    # oldest (10) takes the closest lengths while batch x longest <= 40: 10, 10, 9, 4 -> 4 x 10 = 40
+    assert sorted(runtime.batches[0]) == [4, 9, 10, 10]
+    assert sorted(runtime.batches[1]) == [2, 3]
+    assert all(len(b) * max(b) <= 40 for b in runtime.batches)
+
+
+async def test_a_multi_text_request_split_across_batches_keeps_its_order():
+    runtime = RecordingRuntime()
+    batcher = make_batcher(runtime, max_batch_size=2)
+    batcher.start()
+    lengths = [5, 1, 4, 2, 3]
+    outputs = await batcher.submit([[7] * n for n in lengths], timeout_s=5)
+    await batcher.close()
+    assert [length for length, _ in outputs] == lengths
+    assert len(runtime.batches) == 3
+
+
+async def test_items_with_different_options_never_share_a_batch():
+    runtime = RecordingRuntime()
+    batcher = make_batcher(runtime, max_wait_s=0.1)
+    batcher.start()
+    a, b = await asyncio.gather(
+        batcher.submit([[1, 1], [1]], timeout_s=5, options=("beam", 1)),
+        batcher.submit([[1, 1, 1]], timeout_s=5, options=("beam", 4)),
+    )
+    await batcher.close()
+    assert a == [(2, ("beam", 1)), (1, ("beam", 1))] and b == [(3, ("beam", 4))]
+    assert sorted(map(len, runtime.batches)) == [1, 2]
+
+
+async def test_queue_bound_counts_texts():
+    runtime = RecordingRuntime(delay_s=0.2)
+    batcher = make_batcher(runtime, max_queue=4, max_batch_size=1)
+    batcher.start()
+    first = asyncio.create_task(batcher.submit([[1]], timeout_s=5))
+    await asyncio.sleep(0.05)  # computing, so out of the queue
+    waiting = asyncio.create_task(batcher.submit([[1]] * 3, timeout_s=5))
+    await asyncio.sleep(0)
+    with pytest.raises(QueueFull):
+        await batcher.submit([[1]] * 2, timeout_s=5)  # 3 + 2 > 4
+    await asyncio.gather(first, waiting)
+    await batcher.close()
+
+
+async def test_close_finishes_what_was_accepted():
+    runtime = RecordingRuntime(delay_s=0.05)
+    batcher = make_batcher(runtime, max_batch_size=1)
+    batcher.start()
+    tasks = [asyncio.create_task(batcher.submit([[1] * n], timeout_s=5)) for n in (1, 2, 3)]
+    await asyncio.sleep(0)
+    await batcher.close()
+    assert len(runtime.batches) == 3  # all computed before close() returned
+    assert [out[0][0] for out in await asyncio.gather(*tasks)] == [1, 2, 3]
+
+
+async def test_expired_items_are_failed_not_computed():
+    runtime = RecordingRuntime(delay_s=0.3)
+    batcher = make_batcher(runtime, max_batch_size=1)
+    batcher.start()
+    first = asyncio.create_task(batcher.submit([[1]], timeout_s=5))
+    await asyncio.sleep(0.05)
+    with pytest.raises(DeadlineExceeded):
+        await batcher.submit([[1, 1]], timeout_s=0.1)
+    await first
+    await batcher.close()
+    assert runtime.batches == [[1]]
+
+
+def test_padding_leaves_real_tokens_first():
+    runtime = RecordingRuntime()
+    batcher = make_batcher(runtime, pad_id=9)
+    captured = {}
+
+    def capture(input_ids, attention_mask, options):
+        captured["ids"], captured["mask"] = input_ids, attention_mask
+        return [None] * len(input_ids)
+
+    batcher.run_batch = capture
+    batcher._pad_and_run([[1, 2, 3], [4]], None)
+    np.testing.assert_array_equal(captured["ids"], [[1, 2, 3], [4, 9, 9]])
+    np.testing.assert_array_equal(captured["mask"], [[1, 1, 1], [1, 0, 0]])
