@@ -55,7 +55,7 @@ async def test_batched_answers_equal_one_at_a_time_answers(models_dir):
 
 
 async def test_concurrent_requests_share_batches(models_dir):
-    settings = make_settings(models_dir, max_wait_ms=300)
+    settings = make_settings(models_dir, max_wait_ms=500)
     async with running_service(settings) as client:
         responses = await asyncio.gather(*(client.post("/classify", json={"text": t}) for t in TEXTS))
         assert [r.status_code for r in responses] == [200] * len(TEXTS)

@@ -70,9 +70,20 @@ def test_python_m_service_serves_over_http_and_exits_cleanly_on_sigterm(models_d
     assert "request_id=e2e-1 method=POST path=/classify status=200" in out
 
 
+def wait_until_queued(port: int, depth: int, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        queued = [line for line in metrics.splitlines() if line.startswith("linformer_queue_depth{")]
+        if queued and float(queued[0].split()[-1]) >= depth:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"fewer than {depth} texts ever queued")
+
+
 def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(models_dir):
     port = free_port()
-    # each batch of two takes 0.6 s, so six requests are still in flight when SIGTERM arrives
+    # each batch of two takes 1 s, so six requests are still in flight when SIGTERM arrives
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(TESTS)!r})
@@ -80,7 +91,7 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(models_dir):
         from service.__main__ import serve
         from service.app import create_app
         settings = make_settings({str(models_dir)!r}, max_batch_size=2, port={port}, log_level="info")
-        serve(create_app(settings, wrap_runtime=lambda runtime: SlowRuntime(runtime, 0.6)), settings)
+        serve(create_app(settings, wrap_runtime=lambda runtime: SlowRuntime(runtime, 1.0)), settings)
     """)
     proc = start(["-c", script], port)
     results: list[int | str] = []
@@ -95,7 +106,7 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(models_dir):
     threads = [threading.Thread(target=post, args=(f"the film {i}",)) for i in range(6)]
     for thread in threads:
         thread.start()
-    time.sleep(0.4)  # all six accepted, the first batch computing
+    wait_until_queued(port, 4)  # all six accepted: at most two computing, the rest queued
     started = time.monotonic()
     code, out = stop(proc)
     for thread in threads:
