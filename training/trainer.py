@@ -92,7 +92,10 @@ def train(task: Task, cfg: TrainConfig, extra: dict[str, Any] | None = None) -> 
 
     lengths = task.train_lengths()
     steps_per_epoch = len(bucketed_batches(lengths, cfg.max_tokens, cfg.max_batch, seed=cfg.seed)) // world
+    # Epochs differ by a batch or two (bucketing is reshuffled), so the epoch count ends the run
+    # and total_steps is the schedule's (and progress bar's) estimate; max_steps, when set, is exact.
     total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+    stop_at = cfg.max_steps or math.inf
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: learning_rate_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
     )
@@ -133,7 +136,7 @@ def train(task: Task, cfg: TrainConfig, extra: dict[str, Any] | None = None) -> 
     )
     started = time.perf_counter() - state["elapsed_s"]
     window_tokens, window_start = 0, time.perf_counter()
-    while state["step"] < total_steps and state["epoch"] < cfg.epochs:
+    while state["step"] < stop_at and state["epoch"] < cfg.epochs:
         batches = bucketed_batches(lengths, cfg.max_tokens, cfg.max_batch, seed=cfg.seed + state["epoch"])
         batches = batches[: len(batches) // world * world][rank::world]  # equal share per process
         wrapped.train()
@@ -161,7 +164,7 @@ def train(task: Task, cfg: TrainConfig, extra: dict[str, Any] | None = None) -> 
             if state["step"] % cfg.save_every == 0:
                 state["elapsed_s"] = time.perf_counter() - started
                 save("last")
-            if state["step"] >= total_steps:
+            if state["step"] >= stop_at:
                 break
         else:
             state["epoch"] += 1
