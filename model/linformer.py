@@ -299,6 +299,7 @@ class Encoder(nn.Module):
         self.cfg = cfg
         self.embed = embed if embed is not None else nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.register_buffer("pos", sinusoids(cfg.n_max, cfg.d_model), persistent=False)
+        self.scale = math.sqrt(cfg.d_model)  # embeddings (std d^-1/2) scaled to the positions' size
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.n_layers))
         if cfg.attention == "linformer":
@@ -312,7 +313,7 @@ class Encoder(nn.Module):
         T = ids.shape[1]
         if not torch.jit.is_tracing() and not torch.compiler.is_compiling() and T > self.cfg.n_max:
             raise ValueError(f"input length {T} exceeds the model's n_max={self.cfg.n_max}")
-        x = self.drop(self.embed(ids) + self.pos[:T])
+        x = self.drop(self.embed(ids) * self.scale + self.pos[:T])
         for block, pair in zip(self.blocks, self.plan, strict=True):
             x = block(x, keep, *projection_pair(self.projections, pair))
         return self.ln_f(x)
@@ -371,7 +372,7 @@ class Translator(nn.Module):
         """tgt_ids (B, T) continuing after the cached positions -> logits (B, T, V), new cache."""
         P = 0 if past is None else past[0][0].shape[2]
         T = tgt_ids.shape[1]
-        x = self.drop(self.embed(tgt_ids) + self.tgt_pos[P : P + T])
+        x = self.drop(self.embed(tgt_ids) * self.encoder.scale + self.tgt_pos[P : P + T])
         presents = []
         for i, block in enumerate(self.blocks):
             x, present = block(x, cross[i], None if past is None else past[i])
@@ -386,8 +387,8 @@ def init_weights(module: nn.Module) -> None:
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, std=0.02)
         nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.Embedding):
-        nn.init.normal_(module.weight, std=0.02)
+    elif isinstance(module, nn.Embedding):  # scaled by sqrt(d) in the forward pass, as in Vaswani et al.
+        nn.init.normal_(module.weight, std=module.embedding_dim**-0.5)
 
 
 def count_projection_matrices(model: nn.Module) -> int:
