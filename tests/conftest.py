@@ -1,15 +1,12 @@
 """Shared fixtures: a tiny but real classify bundle (ONNX + SentencePiece), and clients for the service."""
 
-import hashlib
 import io
-import json
 import random
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 TINY_N_MAX = 64
@@ -18,15 +15,6 @@ WORDS = (
     "bad boring awful dull slow weak long short funny sad dark bright old new love hate watch again "
     "never always really quite very not too much little best worst character director script camera"
 ).split()
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def write_manifest(bundle_dir: Path) -> None:
-    files = {p.name: _sha256(p) for p in sorted(bundle_dir.iterdir()) if p.name != "manifest.json"}
-    (bundle_dir / "manifest.json").write_text(json.dumps({"files": files}, indent=2))
 
 
 def _train_tokenizer(path: Path) -> int:
@@ -38,68 +26,39 @@ def _train_tokenizer(path: Path) -> int:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_writer=model, vocab_size=120, model_type="unigram",
         pad_id=0, unk_id=1, bos_id=2, eos_id=3, hard_vocab_limit=False, minloglevel=2,
-    )
+    )  # fmt: skip
     path.write_bytes(model.getvalue())
     return spm.SentencePieceProcessor(model_file=str(path)).get_piece_size()
 
 
-def _write_masked_mean_classifier(path: Path, vocab_size: int, dim: int = 16, num_labels: int = 2) -> None:
-    """ids, mask [B, S] -> embed -> mean over unmasked positions -> tanh -> linear -> logits [B, labels]."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+def make_tiny_checkpoint(scratch: Path, attention: str = "linformer") -> tuple[Path, Path]:
+    """An untrained 2-layer classifier checkpoint (n_max = TINY_N_MAX) and its tokenizer, as training writes."""
+    from dataclasses import asdict
 
-    rng = np.random.default_rng(0)
-    inits = [
-        numpy_helper.from_array(rng.normal(0, 1, (vocab_size, dim)).astype(np.float32), "embedding"),
-        numpy_helper.from_array(rng.normal(0, 1, (dim, num_labels)).astype(np.float32), "w_out"),
-        numpy_helper.from_array(rng.normal(0, 0.1, (num_labels,)).astype(np.float32), "b_out"),
-        numpy_helper.from_array(np.array([-1], dtype=np.int64), "last_axis"),
-        numpy_helper.from_array(np.array([1], dtype=np.int64), "seq_axis"),
-        numpy_helper.from_array(np.array(1.0, dtype=np.float32), "one"),
-    ]
-    node = helper.make_node
-    nodes = [
-        node("Gather", ["embedding", "input_ids"], ["embedded"]),  # (B, S, D)
-        node("Cast", ["attention_mask"], ["mask"], to=TensorProto.FLOAT),  # (B, S)
-        node("Unsqueeze", ["mask", "last_axis"], ["mask3"]),  # (B, S, 1)
-        node("Mul", ["embedded", "mask3"], ["masked"]),
-        node("ReduceSum", ["masked", "seq_axis"], ["summed"], keepdims=0),  # (B, D)
-        node("ReduceSum", ["mask", "seq_axis"], ["count"], keepdims=1),  # (B, 1)
-        node("Max", ["count", "one"], ["safe_count"]),
-        node("Div", ["summed", "safe_count"], ["mean"]),
-        node("Tanh", ["mean"], ["hidden"]),
-        node("MatMul", ["hidden", "w_out"], ["projected"]),
-        node("Add", ["projected", "b_out"], ["logits"]),  # (B, num_labels)
-    ]
-    graph = helper.make_graph(
-        nodes, "tiny_masked_mean_classifier",
-        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", num_labels])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9  # onnx 1.23 writes IR 14 by default, which onnxruntime 1.31 refuses
-    onnx.checker.check_model(model)
-    onnx.save(model, str(path))
+    import torch
+
+    from model import Classifier, ModelConfig
+    from training.trainer import TrainConfig
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    vocab_size = _train_tokenizer(scratch / "tokenizer.model")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=vocab_size, n_max=TINY_N_MAX, d_model=32, n_heads=2, n_layers=2, d_ff=64, k=16,
+                      attention=attention)  # fmt: skip
+    checkpoint = scratch / f"untrained-{attention}.pt"
+    torch.save({"model": Classifier(cfg).state_dict(), "model_config": asdict(cfg),
+                "train_config": asdict(TrainConfig(out_dir="untrained", epochs=0)),
+                "extra": {"labels": ["negative", "positive"]}}, checkpoint)  # fmt: skip
+    return checkpoint, scratch / "tokenizer.model"
 
 
 def build_tiny_classify_bundle(path: Path) -> Path:
-    """A real bundle per the export contract, small enough to build in a second. Swap for export/'s later."""
+    """A real Linformer bundle made by export/ (fused attention, parity-checked) from an untrained model."""
+    from export.classify import export_classifier
+
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    vocab_size = _train_tokenizer(path / "tokenizer.model")
-    _write_masked_mean_classifier(path / "model.onnx", vocab_size)
-    config = {
-        "name": path.name, "task": "classify", "attention": "transformer", "n_max": TINY_N_MAX, "k": None,
-        "sharing": "layerwise", "projection": "linear", "labels": ["negative", "positive"],
-        "special_tokens": {"pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3},
-        "add_bos": True, "add_eos": False, "onnx": {"model": "model.onnx"},
-        "model_config": {"vocab_size": vocab_size, "dim": 16}, "versions": {}, "metrics": {},
-    }
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    (path / "MODEL_CARD.md").write_text("# tiny test bundle\n\nMasked-mean embedding classifier for tests.\n")
-    write_manifest(path)
+    checkpoint, tokenizer = make_tiny_checkpoint(path.parent / f"{path.name}-source")
+    export_classifier(checkpoint, tokenizer, path, path.name)
     return path
 
 

@@ -123,8 +123,8 @@ async def test_ops_routes(client):
     assert ready.status_code == 200 and ready.json()["models"] == ["classify-linformer"]
     models = (await client.get("/v1/models")).json()["models"]
     assert models == [
-        {"name": "classify-linformer", "task": "classify", "attention": "transformer", "n_max": TINY_N_MAX,
-         "k": None, "labels": ["negative", "positive"], "execution_provider": "CPUExecutionProvider",
+        {"name": "classify-linformer", "task": "classify", "attention": "linformer", "n_max": TINY_N_MAX,
+         "k": 16, "labels": ["negative", "positive"], "execution_provider": "CPUExecutionProvider",
          "serving": True}
     ]
     assert (await client.get("/docs")).status_code == 200

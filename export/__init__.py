@@ -1,0 +1,1 @@
+"""Checkpoint -> ONNX bundle (uses torch; the service only reads the bundles)."""

@@ -1,0 +1,73 @@
+"""Export: checkpoint -> bundle, for both attention kinds, checked against PyTorch and ONNX Runtime."""
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from conftest import TINY_N_MAX, make_tiny_checkpoint
+
+from export.bundle import sha256
+from export.classify import export_classifier, load_classifier
+
+
+@pytest.fixture(scope="module", params=["linformer", "transformer"])
+def exported(request, tmp_path_factory):
+    scratch = tmp_path_factory.mktemp(request.param)
+    checkpoint, tokenizer = make_tiny_checkpoint(scratch / "source", request.param)
+    bundle = scratch / f"classify-{request.param}"
+    config = export_classifier(checkpoint, tokenizer, bundle, bundle.name)
+    return checkpoint, bundle, config
+
+
+def run(bundle, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(str(bundle / "model.onnx"), providers=["CPUExecutionProvider"])
+    return session.run(["logits"], {"input_ids": ids, "attention_mask": mask})[0]
+
+
+def test_bundle_states_its_contract_and_every_file_is_in_the_manifest(exported):
+    _, bundle, config = exported
+    assert config["n_max"] == TINY_N_MAX and config["task"] == "classify"
+    assert json.loads((bundle / "config.json").read_text()) == config
+    manifest = json.loads((bundle / "manifest.json").read_text())["files"]
+    assert set(manifest) == {"config.json", "model.onnx", "tokenizer.model", "MODEL_CARD.md"}
+    assert all(sha256(bundle / name) == digest for name, digest in manifest.items())
+    assert "Parity" in (bundle / "MODEL_CARD.md").read_text()
+
+
+def test_both_attention_kinds_use_ort_fused_attention(exported):
+    _, _, config = exported
+    assert config["export"]["fused_operators"].get("MultiHeadAttention") == 2  # one per layer
+
+
+@pytest.mark.parametrize("n", [1, 5, 33, TINY_N_MAX])
+def test_onnx_logits_match_pytorch_at_every_length_up_to_n_max(exported, n):
+    checkpoint, bundle, _ = exported
+    model, _ = load_classifier(checkpoint)
+    ids = torch.randint(4, model.cfg.vocab_size, (3, n))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = model(ids, mask).numpy()
+    np.testing.assert_allclose(run(bundle, ids.numpy(), mask.numpy()), expected, atol=1e-4, rtol=0)
+
+
+def test_padded_batch_equals_one_at_a_time_in_the_exported_graph(exported):
+    _, bundle, _ = exported
+    rng = np.random.default_rng(0)
+    lengths = [3, 40, TINY_N_MAX, 17]
+    ids = np.zeros((4, TINY_N_MAX), dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, :n], mask[row, :n] = rng.integers(4, 70, n), 1
+    batched = run(bundle, ids, mask)
+    for row, n in enumerate(lengths):
+        alone = run(bundle, ids[row : row + 1, :n], mask[row : row + 1, :n])
+        np.testing.assert_allclose(batched[row], alone[0], atol=1e-5, rtol=0)
+
+
+def test_input_longer_than_n_max_is_an_error_not_a_silent_answer(exported):
+    _, bundle, _ = exported
+    ids = np.full((1, TINY_N_MAX + 1), 5, dtype=np.int64)
+    with pytest.raises(Exception, match=r"(?i)(broadcast|shape|dimension)"):
+        run(bundle, ids, np.ones_like(ids))
