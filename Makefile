@@ -6,7 +6,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 STAMP  := $(VENV)/.installed
 
-.PHONY: install serve test test-slow lint clean
+.PHONY: install serve test test-slow lint bench-service clean
 
 # Re-installs only when pyproject.toml changes, so a second `make install` is instant.
 $(STAMP): pyproject.toml
@@ -25,6 +25,9 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+bench-service: $(STAMP)
+	$(PY) benchmarks/service_bench.py --bundle models/classify-linformer
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
