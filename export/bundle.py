@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 from importlib.metadata import version
 from pathlib import Path
 
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+from training.provenance import sha256_of
 
 
 def versions() -> dict[str, str]:
@@ -28,6 +21,6 @@ def write_json(path: Path, data: dict) -> None:
 
 def write_manifest(bundle: Path) -> dict[str, str]:
     """manifest.json lists the sha256 of every other file; the service refuses a bundle that differs."""
-    files = {p.name: sha256(p) for p in sorted(bundle.iterdir()) if p.is_file() and p.name != "manifest.json"}
+    files = {p.name: sha256_of(p) for p in sorted(bundle.iterdir()) if p.is_file() and p.name != "manifest.json"}
     write_json(bundle / "manifest.json", {"files": files})
     return files

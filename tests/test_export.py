@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import TINY_N_MAX, make_tiny_checkpoint
 
-from export.bundle import sha256
 from export.classify import export_classifier, load_classifier
+from training.provenance import sha256_of
 
 
 @pytest.fixture(scope="module", params=["linformer", "transformer"])
@@ -32,7 +32,7 @@ def test_bundle_states_its_contract_and_every_file_is_in_the_manifest(exported):
     assert json.loads((bundle / "config.json").read_text()) == config
     manifest = json.loads((bundle / "manifest.json").read_text())["files"]
     assert set(manifest) == {"config.json", "model.onnx", "tokenizer.model", "MODEL_CARD.md"}
-    assert all(sha256(bundle / name) == digest for name, digest in manifest.items())
+    assert all(sha256_of(bundle / name) == digest for name, digest in manifest.items())
     assert "Parity" in (bundle / "MODEL_CARD.md").read_text()
 
 

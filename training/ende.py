@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gettext
-import hashlib
 import json
 import random
 import re
@@ -30,6 +29,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import NamedTuple
 
+from training.provenance import sha256_of
 from training.tokenizer import train_sentencepiece
 
 PACKAGES = ("libreoffice-help-en-us", "libreoffice-help-de", "libreoffice-l10n-de", "trans-de-en")
@@ -316,14 +316,6 @@ def write_tsv(path: Path, pairs: list[Pair]) -> None:
         f.write("source\ten\tde\n")
         for pair in pairs:
             f.write(f"{pair.source}\t{pair.en}\t{pair.de}\n")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _is_prepared(out_dir: Path, seed: int, versions: dict[str, str], vocab_size: int) -> dict | None:

