@@ -29,9 +29,10 @@ compose+=(-p "$PROJECT" -f docker/compose.yaml)
 
 if [ -z "${BASE_IMAGE:-}" ] && docker image inspect linformer-base:bookworm >/dev/null 2>&1; then
     export BASE_IMAGE=linformer-base:bookworm PIP_OFFLINE=1
-    ls docker/wheels/*.whl >/dev/null 2>&1 || docker/fetch-wheels.sh
 fi
 export BASE_IMAGE=${BASE_IMAGE:-python:3.11-slim} PIP_OFFLINE=${PIP_OFFLINE:-0}
+# An offline build sees only docker/wheels/: top it up, since pyproject.toml's dependencies move.
+[ "$PIP_OFFLINE" = 1 ] && docker/fetch-wheels.sh
 
 # ---- the record: everything worth keeping goes through note() into the result file
 record=$(mktemp)
