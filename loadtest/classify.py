@@ -1,0 +1,61 @@
+"""Locust users for POST /classify: held-out IMDB test reviews cut to n tokens, one row per n.
+
+    locust -f loadtest/classify.py --host http://127.0.0.1:8000 --headless -u 4 -r 4 -t 30s
+    LOADTEST_LENGTHS=512,1024 locust -f loadtest/ ClassifyUser --host http://127.0.0.1:8001 --headless ...
+    locust -f loadtest/ ClassifyUser --tags n2048 n4096 ...
+
+Each request carries one text of exactly n tokens (BOS included, counted with the bundle's
+tokenizer) and is named "/classify n=<n>", so Locust keeps one percentile row per length. The
+service's reply says how many tokens it saw; a reply that disagrees with n counts as a failure, so a
+mismatched tokenizer cannot pass unnoticed. `truncate: true` guards against a 413 should a text
+ever come out longer than the model's n_max.
+
+Env: LOADTEST_LENGTHS (default 128,...,4096), LOADTEST_TEXTS_PER_REQUEST (default 1),
+LOADTEST_TOKEN_TOLERANCE (default 0: the reply must say exactly n tokens).
+Tags: `classify` on every task, `n<length>` on each.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from pathlib import Path
+
+from locust import FastHttpUser, constant, tag
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `loadtest.texts` from any cwd
+from loadtest.texts import CLASSIFY_LENGTHS, lengths_from_env, texts_of_length  # noqa: E402
+
+LENGTHS = lengths_from_env("LOADTEST_LENGTHS", CLASSIFY_LENGTHS)
+TEXTS_PER_REQUEST = int(os.environ.get("LOADTEST_TEXTS_PER_REQUEST", "1"))
+TOKEN_TOLERANCE = int(os.environ.get("LOADTEST_TOKEN_TOLERANCE", "0"))
+
+
+def classify_task(n: int):
+    """A task that sends texts of n tokens; variants rotate so consecutive requests differ."""
+
+    @tag("classify", f"n{n}")
+    def classify(user: FastHttpUser) -> None:
+        rotation = user.rotations.setdefault(n, itertools.cycle(texts_of_length("classify", n)))
+        body = {"texts": [next(rotation) for _ in range(TEXTS_PER_REQUEST)], "truncate": True}
+        with user.client.post("/classify", json=body, name=f"/classify n={n}", catch_response=True) as response:
+            if response.status_code != 200:
+                response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
+                return
+            seen = [result["tokens"] for result in response.json()["results"]]
+            if any(abs(tokens - n) > TOKEN_TOLERANCE for tokens in seen):
+                response.failure(f"the service saw {seen} tokens, not {n}: is the tokenizer the bundle's?")
+
+    classify.__name__ = f"classify_n{n}"
+    return classify
+
+
+class ClassifyUser(FastHttpUser):
+    """Closed loop: each user keeps one request in flight (no think time), so `-u` is the concurrency."""
+
+    wait_time = constant(0)
+    tasks = [classify_task(n) for n in LENGTHS]
+
+    def on_start(self) -> None:
+        self.rotations: dict[int, itertools.cycle] = {}

@@ -1,0 +1,93 @@
+"""What every benchmark report of this folder states: machine, load, versions, date, command; and
+the CSV and Markdown table writers they share."""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import os
+import platform
+import shlex
+import sys
+from importlib import metadata
+from pathlib import Path
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min)"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def memory_gib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("nan")
+
+
+def versions(*names: str) -> str:
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join([f"Python {platform.python_version()}", *found])
+
+
+def header(title: str, packages: tuple[str, ...], load_before: str) -> list[str]:
+    """Markdown lines: title, date, exact command, machine, versions, load average before and now."""
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", _module(), *sys.argv[1:]])
+    return [
+        f"# {title}",
+        "",
+        f"- date: {now}",
+        f"- command: `{command}`",
+        f"- machine: {platform.system()} {platform.release()}, {cpu_model()}, {os.cpu_count()} CPUs, "
+        f"{memory_gib():.0f} GiB RAM",
+        f"- versions: {versions(*packages)}",
+        f"- load average at start: {load_before}; at the end: {load_average()}",
+        "",
+    ]
+
+
+def _module() -> str:
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return spec.name if spec is not None else sys.argv[0]
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def markdown_table(rows: list[dict], columns: dict[str, str]) -> list[str]:
+    """`columns` maps row keys to headers; floats print with 3 significant digits, None as "–"."""
+
+    def cell(value) -> str:
+        if value is None or value == "":
+            return "–"
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(key)) for key in columns) + " |" for row in rows]
+    return lines

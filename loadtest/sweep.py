@@ -1,0 +1,382 @@
+"""End-to-end sweep: Linformer vs Transformer deployments under Locust, one run per (n, deployment).
+
+    python -m loadtest.sweep                                  # compose deployments on :8000 and :8001
+    python -m loadtest.sweep --spawn                          # start both as local processes instead
+    python -m loadtest.sweep --spawn --users 1,4 --duration 30s --lengths 512,1024,2048,4096
+
+For each length n (and each user count), every deployment gets one headless Locust run of ClassifyUser
+(or TranslateUser) with a fixed number of closed-loop users for a fixed time, sending texts of exactly
+n tokens. Deployments alternate their order from one length to the next, and each run is preceded
+by a few sequential warm-up requests. Then loadtest/results/sweep-<task>.{csv,md,png}: p50, p95, p99
+and requests/s per n and deployment, and the Linformer/Transformer speedup per n.
+
+--spawn starts two `python -m service` processes with identical LINFORMER_* settings that differ
+only in the bundle (LINFORMER_CLASSIFY_MODEL=classify-linformer / classify-transformer), both pinned
+with taskset to the same core(s) and given the same ORT thread counts; only one is under load at a
+time. The load generator is pinned to the other core(s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python loadtest/sweep.py`, or imported by `locust -f loadtest/`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.texts import CLASSIFY_LENGTHS, TRANSLATE_LENGTHS, prepare, texts_of_length  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+USER_CLASS = {"classify": "ClassifyUser", "translate": "TranslateUser"}
+LENGTHS_ENV = {"classify": "LOADTEST_LENGTHS", "translate": "LOADTEST_TRANSLATE_LENGTHS"}
+
+
+# ---- deployments ----
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 5) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+
+
+def post_json(url: str, body: dict, timeout: float = 120) -> dict:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def wait_ready(base: str, proc: subprocess.Popen | None = None, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{base}: server exited with {proc.returncode}")
+        try:
+            if get_json(f"{base}/readyz", timeout=2)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{base} did not become ready in {timeout_s:g} s")
+
+
+def serving_settings(args: argparse.Namespace) -> dict[str, str]:
+    """LINFORMER_* settings shared by both spawned deployments (the bundle names are added per label)."""
+    return {
+        "LINFORMER_MODELS_DIR": str(args.models_dir),
+        "LINFORMER_ORT_INTRA_OP_THREADS": str(args.threads),
+        "LINFORMER_ORT_INTER_OP_THREADS": "1",
+        "LINFORMER_EXECUTION_PROVIDER": "cpu",
+        "LINFORMER_LOG_LEVEL": "warning",
+        **{key: value for key, value in os.environ.items() if key.startswith("LINFORMER_MAX_")},
+    }
+
+
+def spawn(label: str, args: argparse.Namespace, stack: ExitStack, log_dir: Path) -> str:
+    """Start `python -m service` for one deployment, pinned with taskset; returns its base URL."""
+    port = free_port()
+    bundles = {"LINFORMER_CLASSIFY_MODEL": f"classify-{label}", "LINFORMER_TRANSLATE_MODEL": f"translate-{label}"}
+    env = {**os.environ, **serving_settings(args), **bundles}
+    log = stack.enter_context(open(log_dir / f"server-{label}.log", "w"))
+    command = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)]
+    if args.server_cpus:
+        command = ["taskset", "-c", args.server_cpus, *command]
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    stack.callback(stop)
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base, proc)
+    return base
+
+
+def describe(base: str, task: str) -> str:
+    """The deployment's model for `task` as GET /v1/models reports it: name, attention, n_max, k."""
+    status, body = get_json(f"{base}/v1/models")
+    models = [m for m in body.get("models", []) if m.get("task") == task] if status == 200 else []
+    if not models:
+        return f"no {task} model"
+    m = models[0]
+    return f"{m['name']} ({m['attention']}, n_max {m['n_max']}, k {m['k']}, {m['execution_provider']})"
+
+
+# ---- one run ----
+
+
+def warm_up(base: str, task: str, n: int, requests: int) -> list[int]:
+    """Sequential requests before measuring (first-run allocations); returns the tokens seen."""
+    seen = []
+    for text in (texts_of_length(task, n) * requests)[:requests]:
+        if task == "classify":
+            reply = post_json(f"{base}/classify", {"texts": [text], "truncate": True})
+            seen.append(reply["results"][0]["tokens"])
+        else:
+            post_json(f"{base}/translate", {"texts": [text], "truncate": True, "max_new_tokens": 2 * n + 8})
+            seen.append(n)
+    return seen
+
+
+def run_locust(args: argparse.Namespace, base: str, n: int, users: int, prefix: Path) -> dict:
+    """One headless Locust run at one length; returns that length's row of Locust's stats CSV."""
+    command = ["locust", "-f", str(Path(__file__).parent / f"{args.task}.py"), USER_CLASS[args.task],
+               "--headless", "-u", str(users), "-r", str(users), "-t", args.duration, "--host", base,
+               "--csv", str(prefix), "--only-summary", "--loglevel", "WARNING", "--exit-code-on-error", "0",
+               "--stop-timeout", "60"]  # fmt: skip
+    locust = Path(sys.executable).with_name("locust")
+    command[0] = str(locust) if locust.exists() else "locust"
+    if args.client_cpus:
+        command = ["taskset", "-c", args.client_cpus, *command]
+    env = {**os.environ, LENGTHS_ENV[args.task]: str(n), "LINFORMER_MODELS_DIR": str(args.models_dir)}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"locust failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    name = f"/{args.task} n={n}"
+    with open(f"{prefix}_stats.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row["Name"] == name]
+    if not rows:
+        raise RuntimeError(f"no '{name}' row in {prefix}_stats.csv:\n{done.stderr[-2000:]}")
+    return rows[0]
+
+
+def to_row(label: str, n: int, users: int, stats: dict) -> dict:
+    def number(key: str) -> float | None:
+        value = stats.get(key, "")
+        return float(value) if value not in ("", "N/A") else None
+
+    return {
+        "deployment": label, "n": n, "users": users,
+        "requests": int(stats["Request Count"]), "failures": int(stats["Failure Count"]),
+        "requests_per_s": round(number("Requests/s") or 0.0, 3),
+        "p50_ms": number("50%"), "p95_ms": number("95%"), "p99_ms": number("99%"),
+        "mean_ms": round(number("Average Response Time") or 0.0, 1),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+    }  # fmt: skip
+
+
+# ---- report ----
+
+
+def model_level_speedups() -> dict[int, float]:
+    """n -> Table 3 speedup (served size, k = 128) when loadtest.table3 has written it."""
+    path = RESULTS / "table3-served.csv"
+    if not path.exists():
+        return {}
+    with open(path, newline="") as f:
+        return {int(r["n"]): float(r["speedup"]) for r in csv.DictReader(f) if r["k"] == "128"}
+
+
+def comparison_rows(rows: list[dict], labels: tuple[str, str]) -> list[dict]:
+    """One row per (users, n): both deployments' numbers side by side, and the speedups.
+
+    speedup = Transformer p50 / Linformer p50 (latency), throughput = Linformer req/s / Transformer req/s.
+    """
+    fast, slow = labels
+    model_level = model_level_speedups()
+    table = []
+    for users in sorted({r["users"] for r in rows}):
+        for n in sorted({r["n"] for r in rows if r["users"] == users}):
+            pair = {r["deployment"]: r for r in rows if r["users"] == users and r["n"] == n}
+            if fast not in pair or slow not in pair:
+                continue
+            a, b = pair[fast], pair[slow]
+            row = {"users": users, "n": n}
+            for label, r in ((fast, a), (slow, b)):
+                for key in ("p50_ms", "p95_ms", "p99_ms", "requests_per_s", "failures"):
+                    row[f"{label}_{key}"] = r[key]
+            row["speedup_p50"] = round(b["p50_ms"] / a["p50_ms"], 2) if a["p50_ms"] and b["p50_ms"] else None
+            row["speedup_p95"] = round(b["p95_ms"] / a["p95_ms"], 2) if a["p95_ms"] and b["p95_ms"] else None
+            rps = a["requests_per_s"] / b["requests_per_s"] if b["requests_per_s"] else None
+            row["throughput_ratio"] = None if rps is None else round(rps, 2)
+            row["model_level_speedup"] = model_level.get(n)
+            share = row["speedup_p50"] / model_level[n] if n in model_level and row["speedup_p50"] else None
+            row["e2e_over_model"] = None if share is None else round(share, 2)
+            table.append(row)
+    return table
+
+
+def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_before: str) -> Path:
+    labels = tuple(args.labels)
+    stem = args.out / f"sweep-{args.task}{args.suffix}"
+    write_csv(stem.with_suffix(".csv"), rows)
+    table = comparison_rows(rows, labels)
+    fast, slow = labels
+    lines = header(f"End-to-end sweep: {args.task}, {fast} vs {slow} deployments under Locust",
+                   ("locust", "onnxruntime", "fastapi", "uvicorn"), load_before)  # fmt: skip
+    if args.spawn:
+        how = (
+            f"Deployments: spawned by this sweep as two `python -m service` processes with identical settings "
+            f"{json.dumps(serving_settings(args))} (batching limits at the service defaults unless set), differing "
+            f"only in LINFORMER_CLASSIFY_MODEL/LINFORMER_TRANSLATE_MODEL; both pinned with `taskset -c "
+            f"{args.server_cpus or 'all'}` and {args.threads} ORT intra-op thread(s); only the deployment under "
+            f"test receives load. Locust pinned with `taskset -c {args.client_cpus or 'all'}`."
+        )
+    else:
+        how = (
+            "Deployments: already running (e.g. docker/compose.yaml: equal `cpus`, memory and LINFORMER_* "
+            "settings, differing only in the bundles); this sweep only sends load."
+        )
+    lines += [
+        how,
+        "",
+        "Deployments as they describe themselves (GET /v1/models): "
+        + "; ".join(f"{label} at {v['base']}: {v['model']}" for label, v in info.items()),
+        "",
+        f"Load: one headless Locust run per (n, users, deployment): {USER_CLASS[args.task]}, closed loop (each "
+        f"user keeps one request in flight, no think time), {args.duration} per run after {args.warmup} "
+        f"sequential warm-up requests; deployments alternate order between lengths. Each request is one "
+        f"held-out text of exactly n tokens (IMDB test reviews for classify; the service's reported token "
+        f"count is checked on every reply). Percentiles are Locust's (rounded: 2 significant digits above "
+        f"100 ms). speedup = {slow} latency / {fast} latency; throughput = {fast} req/s / {slow} req/s; "
+        f"model-level = loadtest/results/table3-served.md (k = 128, batch 1), e2e/model = speedup p50 / "
+        f"model-level.",
+        "",
+    ]
+    columns = {"n": "n"}
+    for label in labels:
+        columns |= {f"{label}_p50_ms": f"{label} p50 ms", f"{label}_p95_ms": f"{label} p95 ms",
+                    f"{label}_p99_ms": f"{label} p99 ms", f"{label}_requests_per_s": f"{label} req/s"}  # fmt: skip
+    columns |= {"speedup_p50": "speedup p50", "speedup_p95": "speedup p95", "throughput_ratio": "throughput ratio",
+                "model_level_speedup": "model-level speedup", "e2e_over_model": "e2e / model"}  # fmt: skip
+    for users in sorted({r["users"] for r in table}):
+        lines += [f"## {users} user{'s' if users > 1 else ''}", ""]
+        lines += markdown_table([r for r in table if r["users"] == users], columns) + [""]
+    failures = sum(r["failures"] for r in rows)
+    lines += [
+        f"Failures across all runs: {failures} (a reply with the wrong token count or a non-200 status counts).",
+        "",
+        "Caveats: a 2-core machine shared with training jobs while this ran (load average in the header and in "
+        "sweep CSV rows), and the load generator shares it too; p99 from a short run rests on few requests at "
+        "large n. Treat single-digit-percent differences as noise.",
+        "",
+        f"![latency and throughput vs n]({stem.name}.png)",
+        "",
+    ]
+    stem.with_suffix(".md").write_text("\n".join(lines))
+    plot(rows, labels, stem.with_suffix(".png"), args.task)
+    return stem
+
+
+def plot(rows: list[dict], labels: tuple[str, ...], path: Path, task: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for users in sorted({r["users"] for r in rows}):
+        for label in labels:
+            sub = sorted((r for r in rows if r["deployment"] == label and r["users"] == users), key=lambda r: r["n"])
+            if not sub:
+                continue
+            ns = [r["n"] for r in sub]
+            line = left.plot(ns, [r["p50_ms"] for r in sub], "o-", label=f"{label} p50, {users} u")[0]
+            left.plot(ns, [r["p95_ms"] for r in sub], "^:", color=line.get_color(), label=f"{label} p95, {users} u")
+            right.plot(ns, [r["requests_per_s"] for r in sub], "o-", label=f"{label}, {users} u")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per text n")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    left.set_ylabel("latency (ms)")
+    left.set_title(f"/{task} latency")
+    right.set_ylabel("requests / s")
+    right.set_title(f"/{task} throughput")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ---- main ----
+
+
+def parse_hosts(raw: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in raw.split(","))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.sweep", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", choices=tuple(USER_CLASS), default="classify")
+    parser.add_argument("--hosts", default="linformer=http://127.0.0.1:8000,transformer=http://127.0.0.1:8001",
+                        help="label=url,label=url (ignored with --spawn)")  # fmt: skip
+    parser.add_argument("--labels", default="linformer,transformer", type=lambda s: s.split(","),
+                        help="the two deployments, faster-expected first")  # fmt: skip
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--users", default="1,4", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--duration", default="30s", help="Locust --run-time of each run")
+    parser.add_argument("--warmup", type=int, default=3, help="sequential requests before each run")
+    parser.add_argument("--spawn", action="store_true", help="start both deployments as local processes")
+    parser.add_argument("--models-dir", type=Path, default=REPO / "models")
+    parser.add_argument("--threads", type=int, default=1, help="ORT intra-op threads of spawned servers")
+    parser.add_argument("--server-cpus", help="taskset core list for spawned servers (default: 1 with --spawn)")
+    parser.add_argument("--client-cpus", help="taskset core list for locust (default: 0 with --spawn)")
+    parser.add_argument("--suffix", default="", help="appended to the results' file names")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default loadtest/results)")
+    args = parser.parse_args(argv)
+    args.models_dir = args.models_dir.resolve()
+    if args.spawn and os.cpu_count() and os.cpu_count() > 1:
+        args.server_cpus = args.server_cpus or "1"
+        args.client_cpus = args.client_cpus or "0"
+    lengths = args.lengths or list(CLASSIFY_LENGTHS if args.task == "classify" else TRANSLATE_LENGTHS)
+    os.environ["LINFORMER_MODELS_DIR"] = str(args.models_dir)  # the texts use the bundles' tokenizer
+    prepare(args.task, lengths)  # the locust processes read these instead of tokenising again
+
+    load_before = load_average()
+    raw = args.out / f"sweep-{args.task}{args.suffix}"
+    raw.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    with ExitStack() as stack:
+        if args.spawn:
+            hosts = {label: spawn(label, args, stack, raw) for label in args.labels}
+        else:
+            hosts = parse_hosts(args.hosts)
+            for base in hosts.values():
+                wait_ready(base, timeout_s=30)
+        info = {label: {"base": base, "model": describe(base, args.task)} for label, base in hosts.items()}
+        for i, n in enumerate(lengths):
+            order = args.labels if i % 2 == 0 else args.labels[::-1]
+            for users in args.users:
+                for label in order:
+                    seen = warm_up(hosts[label], args.task, n, args.warmup)
+                    if any(tokens != n for tokens in seen):
+                        raise RuntimeError(f"{label} saw {seen} tokens for texts of {n}: tokenizer mismatch?")
+                    stats = run_locust(args, hosts[label], n, users, raw / f"locust_{label}_n{n}_u{users}")
+                    rows.append(to_row(label, n, users, stats))
+                    print(json.dumps(rows[-1]), flush=True)
+    stem = write_report(args, rows, info, load_before)
+    speedups = [r["speedup_p50"] for r in comparison_rows(rows, tuple(args.labels)) if r["speedup_p50"]]
+    if speedups:
+        print(f"median p50 speedup over all runs: {statistics.median(speedups):.2f}x")
+    print(f"wrote {stem}.{{csv,md,png}}")
+
+
+if __name__ == "__main__":
+    main()

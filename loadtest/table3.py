@@ -1,0 +1,352 @@
+"""The paper's Table 3 at model level: Linformer vs vanilla inference time and memory, random inputs.
+
+    python -m loadtest.table3                         # served size, n = 512 ... 8192, k = 128, 256
+    python -m loadtest.table3 --size paper --lengths 512,1024,2048,4096,8192 --reps 3
+
+For each size, random-initialised classifiers (vanilla, and Linformer with layerwise sharing per k)
+are exported with export.classify.export_onnx, the function that makes the served bundles: ORT's
+fused com.microsoft MultiHeadAttention for both kinds, then ORT's bert optimiser. All are exported
+at n_max = the longest n, so E is k x n_max and sliced to n inside the graph, as when serving.
+All sessions are made by service.runtime.make_session with the same thread counts and
+optimisation level (ORT_ENABLE_ALL).
+
+- time: batch 1, random token ids, one process; each round runs every model once in a rotating
+  order (A B C, B C A, ...), and the median per model is reported. Rounds stop at --reps, or at
+  --min-reps once --seconds-per-length is spent.
+- peak memory: a fresh subprocess per (model, n) loads the session, resets the kernel's high-water
+  mark (/proc/self/clear_refs), runs batch 1 once and reports VmHWM minus the RSS before the run:
+  the working memory of one inference beyond the loaded model.
+- largest batch in a budget: subprocesses with an address-space limit (RLIMIT_AS) of the loaded
+  session's size plus --budget-gib; the batch starts at the budget over the batch-1 peak (rounded
+  down to a power of two) and doubles until a run fails, exceeds the budget or --probe-seconds,
+  or halves until one fits.
+
+Writes loadtest/results/table3-<size>.{csv,md,png}. Exported models are cached in loadtest/.cache/.
+Heavy imports (torch, onnxruntime, matplotlib) stay inside functions: locust imports this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python loadtest/table3.py`, or imported by `locust -f loadtest/`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loadtest.flops import flop_ratio  # noqa: E402
+from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+CACHE = Path(__file__).resolve().parent / ".cache" / "table3"
+
+SIZES = {  # served: what the classify bundles use; paper: close to the paper's base-size ratio
+    "served": {"d_model": 128, "n_heads": 4, "n_layers": 2, "d_ff": 512},
+    "paper": {"d_model": 256, "n_heads": 4, "n_layers": 4, "d_ff": 1024},
+}
+VOCAB = 8000
+# Wang et al. 2020, Table 3 (V100, inference time speed-up over the Transformer, k = 128).
+PAPER_SPEEDUP_K128 = {512: 1.5, 1024: 1.7, 2048: 2.6, 4096: 3.4, 8192: 5.5}
+
+
+# ---- models ----
+
+
+def export_models(size: str, ks: list[int], n_max: int) -> dict[str, dict]:
+    """label -> {"path", "fused", "k"}; cached by size, kind, k and n_max."""
+    import torch
+
+    from export.classify import export_onnx
+    from model import Classifier, ModelConfig
+
+    models = {}
+    for k in [None, *ks]:
+        label = "vanilla" if k is None else f"linformer-k{k}"
+        path = CACHE / f"{size}-{label}-nmax{n_max}.onnx"
+        meta = path.with_suffix(".json")
+        if not (path.exists() and meta.exists()):
+            CACHE.mkdir(parents=True, exist_ok=True)
+            torch.manual_seed(0)
+            cfg = ModelConfig(
+                vocab_size=VOCAB, n_max=n_max, dropout=0.0, attention="transformer" if k is None else "linformer",
+                k=k or 128, sharing="layerwise", **SIZES[size],
+            )  # fmt: skip
+            started = time.perf_counter()
+            fused = export_onnx(Classifier(cfg).eval(), path)
+            meta.write_text(json.dumps({"fused": fused, "export_s": time.perf_counter() - started}))
+        models[label] = {"path": path, "fused": json.loads(meta.read_text())["fused"], "k": k}
+    return models
+
+
+def random_feeds(n: int, batch: int, seed: int = 0) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(4, VOCAB, size=(batch, n), dtype=np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+
+
+def session(path: Path, threads: int):
+    from service.runtime import CPU, make_session
+
+    return make_session(path, [CPU], intra_op_threads=threads, inter_op_threads=1)
+
+
+# ---- time ----
+
+
+def time_models(models: dict[str, dict], n: int, threads: int, reps: int, min_reps: int, budget_s: float) -> dict:
+    """label -> {"ms": median, "runs": count}, from rounds of one run per model in rotating order."""
+    sessions = {label: session(m["path"], threads) for label, m in models.items()}
+    feeds = random_feeds(n, 1)
+    for s in sessions.values():  # warm-up: first-run allocations and kernel selection
+        s.run(None, feeds)
+    labels, times = list(sessions), {label: [] for label in sessions}
+    started = time.perf_counter()
+    for r in range(reps):
+        for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
+            t0 = time.perf_counter()
+            sessions[label].run(None, feeds)
+            times[label].append(time.perf_counter() - t0)
+        if r + 1 >= min_reps and time.perf_counter() - started > budget_s:
+            break
+    return {label: {"ms": statistics.median(t) * 1000, "runs": len(t)} for label, t in times.items()}
+
+
+# ---- memory (each measurement in a fresh process) ----
+
+
+def _status(field: str) -> int:
+    """/proc/self/status field in bytes (VmRSS, VmHWM, VmSize)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def probe(model: Path, n: int, batch: int, threads: int, budget_bytes: int | None) -> dict:
+    """Run once in this process (a fresh one): peak RSS over the loaded session, success, seconds."""
+    import resource
+
+    s = session(model, threads)
+    feeds = random_feeds(n, batch)
+    rss_before = _status("VmRSS")
+    if budget_bytes is not None:
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (_status("VmSize") + budget_bytes, hard))
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
+    started = time.perf_counter()
+    try:
+        s.run(None, feeds)
+        ok, error = True, None
+    except Exception as e:  # ORT reports a failed allocation as a RuntimeException
+        ok, error = False, str(e)[:200]
+    return {"ok": ok, "error": error, "seconds": time.perf_counter() - started,
+            "peak_bytes": _status("VmHWM") - rss_before}  # fmt: skip
+
+
+def run_probe(model: Path, n: int, batch: int, threads: int, budget_bytes: int | None, timeout_s: float) -> dict:
+    command = [sys.executable, "-m", "loadtest.table3", "probe", str(model), str(n), str(batch), str(threads)]
+    if budget_bytes is not None:
+        command.append(str(budget_bytes))
+    try:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "timeout": True}
+    if done.returncode != 0 or not done.stdout.strip():
+        return {"ok": False, "error": (done.stderr or f"exit {done.returncode}")[-300:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def largest_batch(model: Path, n: int, threads: int, budget: int, peak1: int, timeout_s: float, cap: int) -> str:
+    """The largest batch whose run succeeds under the budget, as a string: "64", ">=128 (time cap)",
+    "0" when not even batch 1 fits."""
+
+    def fits(batch: int) -> bool | None:  # None: took too long to tell
+        result = run_probe(model, n, batch, threads, budget, timeout_s)
+        if result.get("timeout"):
+            return None
+        return bool(result["ok"]) and result["peak_bytes"] <= budget
+
+    batch = min(cap, 2 ** max(0, int(math.log2(max(1, budget // max(peak1, 1))))))
+    verdict = fits(batch)
+    if verdict is None:
+        return f">={batch // 2 or 1} (time cap)" if batch > 1 else "? (time cap)"
+    if verdict:
+        while batch < cap:
+            verdict = fits(batch * 2)
+            if verdict is None:
+                return f">={batch} (time cap)"
+            if not verdict:
+                return str(batch)
+            batch *= 2
+        return f">={batch} (batch cap)"
+    while batch > 1:
+        batch //= 2
+        if fits(batch):
+            return str(batch)
+    return "0"
+
+
+# ---- report ----
+
+
+def measure(args: argparse.Namespace, size: str) -> tuple[list[dict], dict]:
+    lengths, ks = args.lengths, args.ks
+    models = export_models(size, ks, max(lengths))
+    for label, m in models.items():
+        mha = m["fused"].get("MultiHeadAttention", 0)
+        assert mha == SIZES[size]["n_layers"], f"{label}: {mha} fused MultiHeadAttention nodes, {m['fused']}"
+    d, d_ff = SIZES[size]["d_model"], SIZES[size]["d_ff"]
+    budget = int(args.budget_gib * 2**30)
+    rows = []
+    for n in lengths:
+        timing = time_models(models, n, args.threads, args.reps, args.min_reps, args.seconds_per_length)
+        memory = {}
+        for label, m in models.items():
+            one = run_probe(m["path"], n, 1, args.threads, None, args.probe_seconds * 4)
+            peak1 = one.get("peak_bytes") if one.get("ok") else None
+            batch = "–"
+            if peak1 is not None and not args.skip_batch_search:
+                batch = largest_batch(m["path"], n, args.threads, budget, peak1, args.probe_seconds, args.max_batch)
+            memory[label] = {"peak_mib": None if peak1 is None else peak1 / 2**20, "batch": batch}
+        vanilla = timing["vanilla"]
+        for k in ks:
+            label = f"linformer-k{k}"
+            lin = timing[label]
+            v_mem, l_mem = memory["vanilla"]["peak_mib"], memory[label]["peak_mib"]
+            rows.append({
+                "size": size, "n": n, "k": k,
+                "vanilla_ms": round(vanilla["ms"], 2), "linformer_ms": round(lin["ms"], 2),
+                "speedup": round(vanilla["ms"] / lin["ms"], 3),
+                "paper_speedup": PAPER_SPEEDUP_K128.get(n) if k == 128 else None,
+                "flop_ratio": round(flop_ratio(n, d, d_ff, k), 3),
+                "flop_ratio_paper_order": round(flop_ratio(n, d, d_ff, k, input_first=False), 3),
+                "vanilla_peak_mib": None if v_mem is None else round(v_mem, 1),
+                "linformer_peak_mib": None if l_mem is None else round(l_mem, 1),
+                "memory_saving": None if not (v_mem and l_mem) else round(v_mem / l_mem, 2),
+                "vanilla_max_batch": memory["vanilla"]["batch"], "linformer_max_batch": memory[label]["batch"],
+                "runs": min(vanilla["runs"], lin["runs"]), "load_average_1min": round(os.getloadavg()[0], 2),
+            })  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    return rows, models
+
+
+def write_report(args: argparse.Namespace, size: str, rows: list[dict], models: dict, load_before: str) -> None:
+    stem = RESULTS / f"table3-{size}"
+    write_csv(stem.with_suffix(".csv"), rows)
+    s = SIZES[size]
+    lines = header(f"Table 3 at model level ({size} size): Linformer vs vanilla on ONNX Runtime CPU",
+                   ("onnxruntime", "torch", "onnx", "numpy"), load_before)  # fmt: skip
+    lines += [
+        f"Models: random-initialised classifiers, d_model {s['d_model']}, {s['n_heads']} heads, "
+        f"{s['n_layers']} layers, d_ff {s['d_ff']}, vocabulary {VOCAB}; Linformer with layerwise sharing "
+        f"(one E for K and V in every layer, input compressed first), k = {', '.join(map(str, args.ks))}. "
+        f"Exported with `export.classify.export_onnx` at n_max = {max(args.lengths)} (E sliced to n in the graph).",
+        "",
+        "Fused operators (ORT optimiser statistics): "
+        + "; ".join(f"{label}: {m['fused']}" for label, m in models.items())
+        + ". Both kinds run attention in ORT's com.microsoft MultiHeadAttention kernel: the vanilla baseline "
+        "is ORT's fastest CPU attention, not a naive MatMul-Softmax-MatMul graph.",
+        "",
+        f"Runtime: ONNX Runtime CPU, {args.threads} intra-op thread(s), 1 inter-op thread, ORT_ENABLE_ALL, "
+        f"same settings for both (service.runtime.make_session). Batch 1, random token ids, no padding. "
+        f"Time: median of up to {args.reps} interleaved rounds (at least {args.min_reps}; rounds stop after "
+        f"{args.seconds_per_length:g} s per length). Peak: VmHWM minus RSS before the run, batch 1, fresh "
+        f"process per cell. Max batch: largest batch that ran with an address-space limit of the loaded "
+        f"session plus {args.budget_gib:g} GiB and a peak under it (doubling/halving from the batch-1 estimate; "
+        f"{args.probe_seconds:g} s per probe, batches up to {args.max_batch}).",
+        "",
+        "FLOP bound: vanilla FLOPs over Linformer FLOPs per layer (loadtest/flops.py): 'ours' for the input-first "
+        "projection this model uses, 'paper order' for E·(X·Wk). Paper: Wang et al. 2020, Table 3 "
+        "(V100, their model size), k = 128 only — the k = 256 column could not be looked up here.",
+        "",
+    ]
+    columns = {
+        "n": "n", "k": "k", "vanilla_ms": "vanilla ms", "linformer_ms": "Linformer ms", "speedup": "speedup",
+        "paper_speedup": "paper speedup (V100)", "flop_ratio": "FLOP bound (ours)",
+        "flop_ratio_paper_order": "FLOP bound (paper order)", "vanilla_peak_mib": "vanilla peak MiB",
+        "linformer_peak_mib": "Linformer peak MiB", "memory_saving": "memory saving",
+        "vanilla_max_batch": f"vanilla max batch ({args.budget_gib:g} GiB)",
+        "linformer_max_batch": f"Linformer max batch ({args.budget_gib:g} GiB)", "runs": "runs",
+        "load_average_1min": "load (1 min)",
+    }  # fmt: skip
+    for k in args.ks:
+        lines += [f"## k = {k}", "", *markdown_table([r for r in rows if r["k"] == k], columns), ""]
+    lines += [
+        "Caveats: the machine was shared with training jobs while this ran (load average above and per row), "
+        "so absolute times are noisy; interleaving and medians keep the ratios fairer than the absolutes. "
+        "The paper measured a larger model on a V100 GPU; the ratios, not the milliseconds, are comparable.",
+        "",
+        f"![speedup and memory saving vs n]({stem.name}.png)",
+        "",
+    ]
+    stem.with_suffix(".md").write_text("\n".join(lines))
+    plot(rows, args.ks, stem.with_suffix(".png"), size)
+
+
+def plot(rows: list[dict], ks: list[int], path: Path, size: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for k in ks:
+        sub = [r for r in rows if r["k"] == k]
+        ns = [r["n"] for r in sub]
+        left.plot(ns, [r["speedup"] for r in sub], "o-", label=f"measured, k={k}")
+        left.plot(ns, [r["flop_ratio"] for r in sub], ":", label=f"FLOP bound, k={k}")
+        saving = [(r["n"], r["memory_saving"]) for r in sub if r["memory_saving"]]
+        if saving:
+            right.plot(*zip(*saving, strict=True), "o-", label=f"measured, k={k}")
+    paper = sorted(PAPER_SPEEDUP_K128.items())
+    left.plot(*zip(*paper, strict=True), "s--", color="grey", label="paper (V100), k=128")
+    for ax, title in ((left, "time: vanilla / Linformer"), (right, "peak memory at batch 1: vanilla / Linformer")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length n")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    left.set_ylabel("speedup (x)")
+    right.set_ylabel("memory saving (x)")
+    fig.suptitle(f"Linformer vs vanilla, ONNX Runtime CPU, {size} size, batch 1")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["probe"]:  # internal: one memory measurement in this fresh process
+        model, n, batch, threads, *budget = argv[1:]
+        print(json.dumps(probe(Path(model), int(n), int(batch), int(threads), int(budget[0]) if budget else None)))
+        return
+    parser = argparse.ArgumentParser(prog="python -m loadtest.table3", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=[*SIZES, "both"], default="served")
+    parser.add_argument("--lengths", default="512,1024,2048,4096,8192", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--ks", default="128,256", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--threads", type=int, default=1, help="ORT intra-op threads, both kinds (default 1)")
+    parser.add_argument("--reps", type=int, default=9, help="interleaved rounds per length, at most")
+    parser.add_argument("--min-reps", type=int, default=3)
+    parser.add_argument("--seconds-per-length", type=float, default=90, help="stop rounds after this, >= min-reps")
+    parser.add_argument("--budget-gib", type=float, default=2.0, help="memory budget of the max-batch search")
+    parser.add_argument("--probe-seconds", type=float, default=60, help="time cap of one max-batch probe")
+    parser.add_argument("--max-batch", type=int, default=512)
+    parser.add_argument("--skip-batch-search", action="store_true")
+    args = parser.parse_args(argv)
+    for size in SIZES if args.size == "both" else [args.size]:
+        load_before = load_average()
+        rows, models = measure(args, size)
+        write_report(args, size, rows, models, load_before)
+        print(f"wrote {RESULTS / f'table3-{size}'}.{{csv,md,png}}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Load-test tooling: length-controlled texts, the FLOP bound, the report writers, and a real Locust run."""
+
+import argparse
+import csv
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import WORDS, build_tiny_classify_bundle, make_tiny_checkpoint
+
+from loadtest.flops import flop_ratio, linformer_layer_flops, vanilla_layer_flops
+from loadtest.texts import Corpus, build_texts, cut_to_pieces, token_count
+
+REPO = Path(__file__).resolve().parents[1]
+IMDB = REPO / ".cache" / "data" / "imdb"
+
+
+def tiny_reviews(path: Path, rows: int = 300) -> Path:
+    rng = random.Random(1)
+    lines = ["label\ttext"] + [
+        f"{rng.randint(0, 1)}\t" + " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))) + "."
+        for _ in range(rows)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- texts of n tokens ----
+
+
+@pytest.mark.skipif(not (IMDB / "spm.model").exists(), reason="IMDB data not prepared")
+def test_imdb_texts_encode_to_exactly_the_requested_length_with_the_real_tokenizer():
+    corpus = Corpus("classify", IMDB / "test.tsv", "text", IMDB / "spm.model", add_bos=True, add_eos=False)
+    for n in (17, 128, 1024, 4096):
+        texts = build_texts(corpus, n, variants=3)
+        assert len(set(texts)) == 3  # different reviews, not one text repeated
+        assert [token_count(corpus, t) for t in texts] == [n] * 3
+
+
+def test_texts_hit_the_length_with_a_tiny_vocabulary_too(models_dir, tmp_path):
+    tokenizer = models_dir / "classify-linformer" / "tokenizer.model"  # 120 pieces: many words split
+    corpus = Corpus("classify", tiny_reviews(tmp_path / "reviews.tsv"), "text", tokenizer, add_bos=True, add_eos=True)
+    for n in (3, 16, 64, 300):
+        for text in build_texts(corpus, n):
+            assert abs(token_count(corpus, text) - n) <= 1, (n, text)
+            assert text == text.strip() and text
+
+
+def test_the_cut_lands_mid_word_when_no_word_boundary_gives_the_count():
+    encode = list  # one piece per character
+    joined = "abcdef ghijkl mnopqr"
+    assert cut_to_pieces(encode, joined, 10) == "abcdef ghi"
+    assert len(encode(cut_to_pieces(encode, joined, 13))) == 13
+    with pytest.raises(ValueError):
+        cut_to_pieces(encode, joined, 100)
+
+
+# ---- the FLOP bound ----
+
+
+def test_flop_counts_match_a_hand_computed_layer():
+    # n=8, d=2, d_ff=8, k=4. Vanilla: QKVO 8·8·4 = 256, attention 4·64·2 = 512, FFN 4·8·2·8 = 512.
+    assert vanilla_layer_flops(8, 2, 8) == 1280
+    # Linformer, input first: QO 4·8·4 = 128, E·X 2·8·4·2 = 128, KV on k rows 4·4·4 = 64,
+    # attention 4·8·4·2 = 256, FFN 512.
+    assert linformer_layer_flops(8, 2, 8, 4) == 1088
+    # Paper order: QKVO 256, E·K and F·V 2·2·8·4·2 = 256, attention 256, FFN 512.
+    assert linformer_layer_flops(8, 2, 8, 4, input_first=False) == 1280
+    # The served size at n = 4096, k = 128.
+    assert vanilla_layer_flops(4096, 128, 512) == 10_200_547_328
+    assert linformer_layer_flops(4096, 128, 512, 128) == 1_753_219_072
+    assert flop_ratio(4096, 128, 512, 128) == pytest.approx(5.818, abs=1e-3)
+
+
+def test_compressing_the_input_first_never_costs_more_than_the_papers_order():
+    for n in (512, 2048, 8192):
+        for k in (64, 128, 256):
+            assert flop_ratio(n, 256, 1024, k) >= flop_ratio(n, 256, 1024, k, input_first=False)
+
+
+# ---- report writers ----
+
+
+def sweep_row(deployment, n, users, p50, rps):
+    return {"deployment": deployment, "n": n, "users": users, "requests": 10, "failures": 0,
+            "requests_per_s": rps, "p50_ms": p50, "p95_ms": 2 * p50, "p99_ms": 3 * p50, "mean_ms": p50,
+            "load_average_1min": 1.0}  # fmt: skip
+
+
+def test_sweep_report_has_a_speedup_per_length(tmp_path):
+    from loadtest import sweep
+
+    rows = [sweep_row("linformer", 1024, 1, 20.0, 50.0), sweep_row("transformer", 1024, 1, 60.0, 16.0),
+            sweep_row("linformer", 4096, 1, 50.0, 20.0), sweep_row("transformer", 4096, 1, 400.0, 2.5)]  # fmt: skip
+    table = sweep.comparison_rows(rows, ("linformer", "transformer"))
+    assert [(r["n"], r["speedup_p50"], r["throughput_ratio"]) for r in table] == [(1024, 3.0, 3.12), (4096, 8.0, 8.0)]
+    args = argparse.Namespace(task="classify", labels=["linformer", "transformer"], out=tmp_path, suffix="",
+                              spawn=False, duration="5s", warmup=1)  # fmt: skip
+    info = {"linformer": {"base": "http://a", "model": "m1"}, "transformer": {"base": "http://b", "model": "m2"}}
+    stem = sweep.write_report(args, rows, info, "0 / 0 / 0")
+    markdown = stem.with_suffix(".md").read_text()
+    assert "| speedup p50 |" in markdown
+    assert "| 4096 | 50 | 100 | 150 | 20 | 400 | 800 | 1200 | 2.5 | 8 |" in markdown
+    with open(stem.with_suffix(".csv"), newline="") as f:
+        assert len(list(csv.DictReader(f))) == 4
+    assert stem.with_suffix(".png").stat().st_size > 0
+
+
+def test_table3_report_puts_measured_speedup_beside_the_paper(tmp_path, monkeypatch):
+    from loadtest import table3
+
+    monkeypatch.setattr(table3, "RESULTS", tmp_path)
+    rows = [{"size": "served", "n": n, "k": 128, "vanilla_ms": v, "linformer_ms": 10.0, "speedup": v / 10.0,
+             "paper_speedup": table3.PAPER_SPEEDUP_K128[n], "flop_ratio": 2.0, "flop_ratio_paper_order": 1.5,
+             "vanilla_peak_mib": 40.0, "linformer_peak_mib": 10.0, "memory_saving": 4.0, "vanilla_max_batch": "8",
+             "linformer_max_batch": "64", "runs": 5, "load_average_1min": 1.0}
+            for n, v in ((2048, 30.0), (4096, 60.0))]  # fmt: skip
+    args = argparse.Namespace(ks=[128], lengths=[2048, 4096], threads=1, reps=5, min_reps=3, seconds_per_length=9,
+                              budget_gib=2.0, probe_seconds=9, max_batch=64)  # fmt: skip
+    models = {"vanilla": {"fused": {"MultiHeadAttention": 2}}, "linformer-k128": {"fused": {"MultiHeadAttention": 2}}}
+    table3.write_report(args, "served", rows, models, "0 / 0 / 0")
+    markdown = (tmp_path / "table3-served.md").read_text()
+    assert "| n | k | vanilla ms | Linformer ms | speedup | paper speedup (V100) |" in markdown
+    assert "| 4096 | 128 | 60 | 10 | 6 | 3.4 |" in markdown
+    assert "MultiHeadAttention" in markdown
+
+
+# ---- Locust against a real service ----
+
+
+def test_locust_lists_every_user_class_of_the_folder():
+    done = subprocess.run([sys.executable, "-m", "locust", "-f", "loadtest/", "--list"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "ClassifyUser" in done.stdout and "TranslateUser" in done.stdout
+
+
+def test_headless_locust_run_gets_exact_lengths_from_a_real_service(models_dir, tmp_path):
+    port = free_port()
+    env = {**os.environ, "LINFORMER_MODELS_DIR": str(models_dir), "LINFORMER_LOG_LEVEL": "warning",
+           "LINFORMER_ORT_INTRA_OP_THREADS": "1", "LOADTEST_LENGTHS": "16,64", "LOADTEST_CACHE": str(tmp_path),
+           "LOADTEST_CLASSIFY_DATA": str(tiny_reviews(tmp_path / "reviews.tsv"))}  # fmt: skip
+    server = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port)], cwd=REPO, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert server.poll() is None, server.stderr.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "service did not come up"
+            time.sleep(0.1)
+        done = subprocess.run(
+            [sys.executable, "-m", "locust", "-f", "loadtest/", "ClassifyUser", "--headless", "-u", "2", "-r", "2",
+             "-t", "3s", "--host", f"http://127.0.0.1:{port}", "--csv", str(tmp_path / "run"), "--only-summary"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    with open(tmp_path / "run_stats.csv", newline="") as f:
+        stats = {row["Name"]: row for row in csv.DictReader(f)}
+    for n in (16, 64):
+        row = stats[f"/classify n={n}"]  # one percentile row per length
+        assert int(row["Request Count"]) > 0, done.stderr[-2000:]
+        # a reply whose `tokens` differs from n is a failure, so this also checks the lengths
+        assert int(row["Failure Count"]) == 0, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_sweep_spawns_both_deployments_and_writes_the_report(tmp_path):
+    from export.classify import export_classifier
+
+    models = tmp_path / "models"
+    build_tiny_classify_bundle(models / "classify-linformer")
+    checkpoint, tokenizer = make_tiny_checkpoint(tmp_path / "transformer-source", attention="transformer")
+    export_classifier(checkpoint, tokenizer, models / "classify-transformer", "classify-transformer")
+    env = {**os.environ, "LOADTEST_CACHE": str(tmp_path / "cache"),
+           "LOADTEST_CLASSIFY_DATA": str(tiny_reviews(tmp_path / "reviews.tsv"))}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "loadtest.sweep", "--spawn", "--models-dir", str(models), "--lengths", "16,64",
+         "--users", "1", "--duration", "2s", "--warmup", "1", "--out", str(tmp_path / "results")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "results" / "sweep-classify.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    expected = {(d, n) for d in ("linformer", "transformer") for n in ("16", "64")}
+    assert {(r["deployment"], r["n"]) for r in rows} == expected
+    assert all(int(r["requests"]) > 0 and int(r["failures"]) == 0 for r in rows)
+    markdown = (tmp_path / "results" / "sweep-classify.md").read_text()
+    assert "speedup p50" in markdown and "taskset" in markdown
