@@ -75,13 +75,14 @@ def test_padding_would_leak_if_it_were_not_removed_before_projecting(monkeypatch
     short, long = random_ids(cfg, 13), random_ids(cfg, 57)
     ids, mask = pad_batch([short, long])
     with torch.no_grad():
-        alone = model(short[None], torch.ones(1, 13, dtype=torch.long))
+        alone = model.encoder(short[None], torch.ones(1, 13, dtype=torch.bool))
         forward = LowRankProjection.forward
         monkeypatch.setattr(LowRankProjection, "forward", lambda self, x, keep: forward(self, x, keep | True))
         for projection in model.encoder.projections:  # take the per-head path, which uses forward()
             monkeypatch.setattr(projection, "num_matrices", 0)
-        leaky = model(ids, mask)
-    assert not torch.allclose(leaky[0], alone[0], atol=1e-4)
+        leaky = model.encoder(ids, mask.bool())
+    # the invariance test allows 1e-5; the leak moves hidden states by ~5e-3 to 1e-2 at this init
+    assert (leaky[0, :13] - alone[0]).abs().max() > 1e-3
 
 
 def test_non_uniform_k_per_layer_builds_and_stays_padding_invariant():
