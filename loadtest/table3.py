@@ -15,7 +15,8 @@ optimisation level (ORT_ENABLE_ALL).
   --min-reps once --seconds-per-length is spent.
 - peak memory: a fresh subprocess per (model, n) loads the session, resets the kernel's high-water
   mark (/proc/self/clear_refs), runs batch 1 once and reports VmHWM minus the RSS before the run:
-  the working memory of one inference beyond the loaded model.
+  the working memory of one inference beyond the loaded model. A guard limits the address space to
+  60 % of MemAvailable so a shared machine's other jobs survive; a cell over it reads "–".
 - largest batch in a budget: subprocesses with an address-space limit (RLIMIT_AS) of the loaded
   session's size plus --budget-gib; the batch starts at the budget over the batch-1 peak (rounded
   down to a power of two) and doubles until a run fails, exceeds the budget or --probe-seconds,
@@ -131,6 +132,13 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
+def _meminfo(field: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
 def probe(model: Path, n: int, batch: int, threads: int, budget_bytes: int | None) -> dict:
     """Run once in this process (a fresh one): peak RSS over the loaded session, success, seconds."""
     import resource
@@ -138,9 +146,10 @@ def probe(model: Path, n: int, batch: int, threads: int, budget_bytes: int | Non
     s = session(model, threads)
     feeds = random_feeds(n, batch)
     rss_before = _status("VmRSS")
-    if budget_bytes is not None:
-        _, hard = resource.getrlimit(resource.RLIMIT_AS)
-        resource.setrlimit(resource.RLIMIT_AS, (_status("VmSize") + budget_bytes, hard))
+    if budget_bytes is None:  # batch-1 peak: unbounded but for a guard that keeps the machine's jobs alive
+        budget_bytes = int(0.6 * _meminfo("MemAvailable"))
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (_status("VmSize") + budget_bytes, hard))
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
     started = time.perf_counter()
     try:
