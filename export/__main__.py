@@ -1,6 +1,7 @@
 """Export a training checkpoint to a served bundle.
 
     python -m export classify --checkpoint runs/classify-linformer-k128/best.pt --out models/classify-linformer
+    python -m export translate --checkpoint runs/translate-linformer-k64/best.pt --out models/translate-linformer
 """
 
 from __future__ import annotations
@@ -19,15 +20,34 @@ def main(argv: list[str] | None = None) -> None:
     classify.add_argument("--out", type=Path, required=True, help="bundle directory, e.g. models/classify-linformer")
     classify.add_argument("--name", help="bundle name (default: the --out directory name)")
     classify.add_argument("--tokenizer", type=Path, help="default: spm.model of the data the run trained on")
+    translate = sub.add_parser("translate")
+    translate.add_argument("--checkpoint", type=Path, required=True)
+    translate.add_argument("--out", type=Path, required=True, help="bundle directory, e.g. models/translate-linformer")
+    translate.add_argument("--name", help="bundle name (default: the --out directory name)")
+    translate.add_argument("--tokenizer", type=Path, help="default: spm.model of the data the run trained on")
+    translate.add_argument("--parity-sentences", type=int, default=200, help="first N test sentences")
     args = parser.parse_args(argv)
 
     import torch
 
-    from export.classify import export_classifier
-
     extra = torch.load(args.checkpoint, map_location="cpu", weights_only=False).get("extra", {})
     tokenizer = args.tokenizer or Path(extra["data"]) / "spm.model"
-    config = export_classifier(args.checkpoint, tokenizer, args.out, args.name or args.out.name)
+    name = args.name or args.out.name
+    if args.task == "classify":
+        from export.classify import export_classifier
+
+        config = export_classifier(args.checkpoint, tokenizer, args.out, name)
+    else:
+        import sentencepiece as spm
+
+        from export.translate import export_translator
+        from training.translate import encode_source, read_pairs
+
+        sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+        n_max = torch.load(args.checkpoint, map_location="cpu", weights_only=False)["model_config"]["n_max"]
+        pairs = read_pairs(Path(extra["data"]) / "test.tsv")[: args.parity_sentences]
+        sources = [encode_source(sp, en, n_max) for en, _ in pairs]
+        config = export_translator(args.checkpoint, tokenizer, args.out, name, sources)
     print(json.dumps({"bundle": str(args.out), "parity": config["parity"], "export": config["export"]}))
 
 

@@ -74,3 +74,88 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def translator_card(config: dict, saved: dict, checkpoint: Path) -> str:
+    extra = saved.get("extra", {})
+    meta = extra.get("data_meta", {})
+    run = checkpoint.parent
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+    evaluations = [json.loads(p.read_text()) for p in sorted(run.glob("eval-test-beam*.json"))]
+    cfg, train = saved["model_config"], saved["train_config"]
+    if cfg["attention"] == "linformer":
+        kind = (f"Linformer encoder (k={cfg['k']}, {cfg['sharing']} sharing, {cfg['projection']} projection), "
+                f"Linformer-compressed cross-attention (k_cross={cfg['k_cross']})")  # fmt: skip
+    else:
+        kind = "vanilla Transformer (full softmax attention in the encoder and the cross-attention)"
+    counts = meta.get("counts", {})
+    packages = meta.get("package_versions", {})
+    lines = [
+        f"# {config['name']}",
+        "",
+        f"English -> German translation. {kind}; causal decoder self-attention with a key/value cache. "
+        f"Sources up to n_max = {cfg['n_max']} tokens (EOS included), translations up to "
+        f"tgt_n_max = {cfg['tgt_n_max']} tokens.",
+        "",
+        "## Data provenance",
+        "- Debian packages: " + ", ".join(f"`{name}` {version}" for name, version in packages.items())
+        + ": LibreOffice help pages aligned by paragraph id, LibreOffice UI strings, Ding example sentences.",
+        "- Cleaned, deduplicated, seeded split (seed "
+        f"{meta.get('seed', '?')}): " + ", ".join(f"{split} {c.get('total', c) if isinstance(c, dict) else c}"
+                                                  for split, c in counts.items())
+        + "; dev and test come from help and Ding only, and no side of a held-out pair appears in train.",
+        f"- Training pairs dropped as longer than n_max/tgt_n_max: {extra.get('dropped_from_train', '?')}.",
+        "- Prepared by `python -m training.ende`; sha256: "
+        + ", ".join(f"`{name}` {digest[:16]}…" for name, digest in meta.get("sha256", {}).items()),
+        f"- Tokenizer: joint EN+DE SentencePiece unigram, vocabulary {cfg['vocab_size']}, trained on the training "
+        "split only (pad 0, unk 1, bos 2, eos 3).",
+        "",
+        "## Model and recipe",
+        f"- d_model {cfg['d_model']}, {cfg['n_layers']} encoder + {cfg['n_decoder_layers']} decoder layers, "
+        f"{cfg['n_heads']} heads, d_ff {cfg['d_ff']}, dropout {cfg['dropout']}, pre-LayerNorm, sinusoidal "
+        "positions, tied input/output embeddings.",
+        f"- {summary['parameters']:,} parameters." if summary else "- parameters: see config.json",
+        f"- Label-smoothed (0.1) cross-entropy; AdamW (betas 0.9/0.98, weight decay {train['weight_decay']}), peak "
+        f"lr {train['lr']}, {train['warmup_steps']} warm-up steps then cosine decay, gradient clipping "
+        f"{train['clip_norm']}, batches of at most {train['max_tokens']} padded tokens (bucketed by max(source, "
+        f"target) length), {train['epochs']} epochs, seed {train['seed']}; best checkpoint by dev perplexity.",
+        f"- Command: `python -m training translate --attention {cfg['attention']}"
+        + (f" --k {cfg['k']} --k-cross {cfg['k_cross']}" if cfg["attention"] == "linformer" else "")
+        + f" --d-model {cfg['d_model']} --n-heads {cfg['n_heads']} --n-layers {cfg['n_layers']}"
+        f" --n-decoder-layers {cfg['n_decoder_layers']} --d-ff {cfg['d_ff']} --epochs {train['epochs']}"
+        f" --lr {train['lr']} --warmup-steps {train['warmup_steps']} --max-tokens {train['max_tokens']}"
+        f" --threads {train['threads']} --out RUN`",
+    ]
+    if summary:
+        lines += [
+            f"- Trained on {summary['processes']} process(es) x {summary['threads_per_process']} CPU thread(s) of a "
+            f"2-core machine shared by three runs; {summary['steps']} steps; wall time "
+            f"{summary['train_wall_s'] / 60:.1f} min.",
+            "",
+            "## Metrics",
+            f"- Perplexity (reference tokens, EOS included): dev {summary['dev']['ppl']:.2f}, "
+            f"test {summary['test']['ppl']:.2f}.",
+        ]
+    for ev in evaluations:
+        lines.append(
+            f"- Test ({ev['sentences']} pairs), beam {ev['beam_size']}: BLEU {ev['bleu']}, chrF {ev['chrf']} "
+            f"(sacrebleu `{ev['bleu_signature']}`), PyTorch decode {ev['decode_s']} s "
+            f"({ev['threads']} thread(s), batches of {ev['batch_size']})."
+        )
+    parity = config["parity"]
+    lines += [
+        "",
+        "## Export",
+        f"- ONNX opset {config['export']['opset']}: `encoder.onnx` (run once per source: cross keys/values of "
+        "every decoder layer, already projected and compressed) and `decoder.onnx` (new tokens + self-attention "
+        "cache + cross keys/values -> logits and the grown cache; the first step gets an empty cache).",
+        f"- Parity on {parity['sentences']} test sentences: ONNX Runtime greedy output identical to PyTorch "
+        f"greedy for {parity['greedy_identical']}/{parity['sentences']}; max |logit difference| "
+        f"{parity['max_abs_logit_diff_cached_steps']:.2e} over {parity['decoder_calls_compared']} cached steps "
+        f"and {parity['max_abs_logit_diff_full_prefix']:.2e} for whole-prefix calls.",
+        f"- Inputs longer than n_max = {config['n_max']} tokens are an error (the service answers 413, or "
+        "truncates on request).",
+        f"- Versions: {config['versions']}.",
+        "",
+    ]
+    return "\n".join(lines)

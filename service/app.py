@@ -10,19 +10,41 @@ import onnxruntime as ort
 from fastapi import FastAPI
 
 from service.batcher import Batcher
-from service.bundle import BundleError, load_bundle
+from service.bundle import Bundle, BundleError, load_bundle
 from service.config import Settings
 from service.deps import ModelService, ServiceState
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
 from service.routes import router
-from service.runtime import ClassifierRuntime, choose_providers, make_session
+from service.runtime import ClassifierRuntime, TranslatorRuntime, choose_providers, make_session
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-# Tests wrap the runtime (e.g. to make it slow); the wrapper must keep `run(input_ids, attention_mask)`.
-RuntimeWrapper = Callable[[ClassifierRuntime], Any]
+# Tests wrap the runtime (e.g. to make it slow); the wrapper must keep the wrapped runtime's `run` signature.
+RuntimeWrapper = Callable[[ClassifierRuntime | TranslatorRuntime], Any]
+
+
+def make_runtime(bundle: Bundle, providers: list[str], settings: Settings):
+    """The bundle's ONNX sessions behind the runtime's `run`, warmed up once."""
+
+    def session(role: str):
+        return make_session(bundle.onnx_path(role), providers, intra_op_threads=settings.ort_intra_op_threads,
+                            inter_op_threads=settings.ort_inter_op_threads)  # fmt: skip
+
+    ids, mask = np.full((1, 8), bundle.eos_id, dtype=np.int64), np.ones((1, 8), dtype=np.int64)
+    if bundle.task == "translate":
+        config = bundle.config
+        runtime = TranslatorRuntime(
+            session("encoder"), session("decoder"), n_layers=config["n_decoder_layers"], n_heads=config["n_heads"],
+            head_dim=config["head_dim"], tgt_n_max=config["tgt_n_max"], bos_id=bundle.bos_id, eos_id=bundle.eos_id,
+            length_penalty_alpha=config.get("export", {}).get("length_penalty_alpha", 0.6),
+        )  # fmt: skip
+        runtime.run(ids, mask, (1, 4))  # the first runs allocate and pick kernels: not in someone's request
+        return runtime
+    runtime = ClassifierRuntime(session("model"))
+    runtime.run(np.full((1, 8), bundle.bos_id, dtype=np.int64), mask)
+    return runtime
 
 
 def load_models(
@@ -48,26 +70,22 @@ def load_models(
         if bundle.task != task:
             raise BundleError(f"bundle {path} is a {bundle.task!r} bundle, configured as the {task} model")
         tokenizer = Tokenizer.from_bundle(bundle)
-        if task == "translate":
-            state.models[task] = ModelService(bundle, tokenizer, None, execution_provider=providers[0])
-            state.unavailable[task] = f"translation bundle {bundle.name} found, but this server cannot run it"
-            log.warning("%s", state.unavailable[task])
-            continue
         if bundle.n_max > settings.max_batch_tokens:
             log.warning("n_max=%d exceeds MAX_BATCH_TOKENS=%d: long texts run alone in oversized batches",
                         bundle.n_max, settings.max_batch_tokens)
-        runtime = ClassifierRuntime(
-            make_session(
-                bundle.onnx_path("model"), providers,
-                intra_op_threads=settings.ort_intra_op_threads,
-                inter_op_threads=settings.ort_inter_op_threads,
-            )
-        )
-        # the first run allocates and picks kernels; do it now rather than in someone's request
-        runtime.run(np.full((1, 8), bundle.bos_id, dtype=np.int64), np.ones((1, 8), dtype=np.int64))
+        runtime = make_runtime(bundle, providers, settings)
         runner = wrap_runtime(runtime) if wrap_runtime else runtime
+        if task == "translate":  # options = (beam_size, max_new_tokens): the batcher groups equal ones
+
+            def run_batch(input_ids, attention_mask, options, runner=runner):
+                return runner.run(input_ids, attention_mask, options)
+        else:
+
+            def run_batch(input_ids, attention_mask, _options, runner=runner):
+                return runner.run(input_ids, attention_mask)
+
         batcher = Batcher(
-            lambda input_ids, attention_mask, _options, runner=runner: runner.run(input_ids, attention_mask),
+            run_batch,
             name=bundle.name,
             pad_id=bundle.pad_id,
             max_batch_size=settings.max_batch_size,

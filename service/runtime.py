@@ -60,3 +60,138 @@ class ClassifierRuntime:
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask}
         return self.session.run([self._output], feeds)[0]
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def _length_penalty(length: int, alpha: float) -> float:
+    """GNMT's lp = ((5 + len) / 6) ** alpha; len counts EOS."""
+    return ((5 + length) / 6) ** alpha
+
+
+class TranslatorRuntime:
+    """encoder.onnx once per batch of sources, then decoder.onnx one token at a time with its key/value cache.
+
+    `run(input_ids, attention_mask, (beam_size, max_new_tokens))` -> one list of target token ids per row
+    (no BOS/EOS). A finished sentence leaves the batch: its rows are dropped from the cache and the cross
+    keys, so later steps compute only what is still being translated. The searches are the same as
+    training/decode.py (greedy; beam search with GNMT length penalty, fairseq's finishing rule).
+    """
+
+    def __init__(
+        self,
+        encoder: ort.InferenceSession,
+        decoder: ort.InferenceSession,
+        *,
+        n_layers: int,
+        n_heads: int,
+        head_dim: int,
+        tgt_n_max: int,
+        bos_id: int,
+        eos_id: int,
+        length_penalty_alpha: float = 0.6,
+    ):
+        self.encoder, self.decoder = encoder, decoder
+        self.n_heads, self.head_dim, self.tgt_n_max = n_heads, head_dim, tgt_n_max
+        self.bos_id, self.eos_id, self.alpha = bos_id, eos_id, length_penalty_alpha
+        kinds = [(i, kind) for i in range(n_layers) for kind in ("key", "value")]
+        self.past_names = [f"past_{kind}_{i}" for i, kind in kinds]
+        self.present_names = [f"present_{kind}_{i}" for i, kind in kinds]
+        self.cross_names = [f"cross_{kind}_{i}" for i, kind in kinds] + ["cross_mask"]
+
+    @property
+    def provider(self) -> str:
+        return self.decoder.get_providers()[0]
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, options) -> list[list[int]]:
+        beam_size, max_new_tokens = options
+        max_new_tokens = min(max_new_tokens, self.tgt_n_max)
+        cross = self.encoder.run(self.cross_names, {"input_ids": input_ids, "attention_mask": attention_mask})
+        if beam_size == 1:
+            return self.greedy(cross, max_new_tokens)
+        return self.beam_search([np.repeat(t, beam_size, axis=0) for t in cross], beam_size, max_new_tokens)
+
+    def _step(self, tokens: np.ndarray, cross: list[np.ndarray], past: list[np.ndarray]):
+        """(rows, 1) new tokens -> log-probabilities of the next token (rows, V) and the grown cache."""
+        feeds = {"input_ids": tokens, **dict(zip(self.cross_names, cross, strict=True))}
+        feeds.update(zip(self.past_names, past, strict=True))
+        logits, *presents = self.decoder.run(["logits", *self.present_names], feeds)
+        return logits[:, -1], presents
+
+    def _empty_cache(self, rows: int) -> list[np.ndarray]:
+        return [np.zeros((rows, self.n_heads, 0, self.head_dim), np.float32) for _ in self.past_names]
+
+    def greedy(self, cross: list[np.ndarray], max_new_tokens: int) -> list[list[int]]:
+        B = cross[0].shape[0]
+        outputs: list[list[int]] = [[] for _ in range(B)]
+        live = np.arange(B)  # sentence of each row still in the batch
+        tokens = np.full((B, 1), self.bos_id, dtype=np.int64)
+        past = self._empty_cache(B)
+        for step in range(max_new_tokens):
+            logits, past = self._step(tokens, cross, past)
+            next_tokens = logits.argmax(axis=-1)
+            for row, token in zip(live.tolist(), next_tokens.tolist(), strict=True):
+                if token != self.eos_id:
+                    outputs[row].append(token)
+            going = next_tokens != self.eos_id
+            if step == max_new_tokens - 1 or not going.any():
+                break
+            if not going.all():
+                cross, past = [t[going] for t in cross], [t[going] for t in past]
+                live, next_tokens = live[going], next_tokens[going]
+            tokens = next_tokens[:, None].astype(np.int64)
+        return outputs
+
+    def beam_search(self, cross: list[np.ndarray], beam: int, max_new_tokens: int) -> list[list[int]]:
+        B = cross[0].shape[0] // beam
+        live = list(range(B))  # sentence of each block of `beam` rows
+        scores = np.zeros((B, beam), np.float32)
+        scores[:, 1:] = -np.inf  # all beams start as the same BOS: only the first may expand
+        history = np.zeros((B * beam, 0), dtype=np.int64)
+        finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+        tokens = np.full((B * beam, 1), self.bos_id, dtype=np.int64)
+        past = self._empty_cache(B * beam)
+        for step in range(max_new_tokens):
+            logits, past = self._step(tokens, cross, past)
+            vocab = logits.shape[-1]
+            candidates = (scores[:, :, None] + _log_softmax(logits).reshape(len(live), beam, vocab)).reshape(
+                len(live), -1
+            )
+            top = np.argpartition(-candidates, 2 * beam, axis=1)[:, : 2 * beam]
+            top = np.take_along_axis(top, np.argsort(-np.take_along_axis(candidates, top, 1), 1, kind="stable"), 1)
+            at_limit = step == max_new_tokens - 1
+            kept, next_rows, next_tokens, next_scores = [], [], [], []
+            for block, sentence in enumerate(live):
+                chosen = []
+                for rank, index in enumerate(top[block].tolist()):
+                    score = float(candidates[block, index])
+                    source_beam, token = divmod(index, vocab)
+                    row = block * beam + source_beam
+                    if token == self.eos_id:
+                        if rank < beam:
+                            hypothesis = history[row].tolist()
+                            finished[sentence].append((score / _length_penalty(step + 1, self.alpha), hypothesis))
+                    elif len(chosen) < beam:
+                        chosen.append((row, token, score))
+                if at_limit:  # out of length: the live beams end here, as they are
+                    for row, token, score in chosen:
+                        hypothesis = history[row].tolist() + [token]
+                        finished[sentence].append((score / _length_penalty(step + 1, self.alpha), hypothesis))
+                if len(finished[sentence]) >= beam or at_limit:
+                    continue
+                kept.append(sentence)
+                next_rows += [row for row, _, _ in chosen]
+                next_tokens += [token for _, token, _ in chosen]
+                next_scores += [score for _, _, score in chosen]
+            if not kept:
+                break
+            rows = np.array(next_rows)
+            cross, past = [t[rows] for t in cross], [t[rows] for t in past]
+            history = np.concatenate([history[rows], np.array(next_tokens, dtype=np.int64)[:, None]], axis=1)
+            scores = np.array(next_scores, np.float32).reshape(len(kept), beam)
+            tokens = history[:, -1:]
+            live = kept
+        return [max(hypotheses, key=lambda h: h[0])[1] for hypotheses in finished]

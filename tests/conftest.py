@@ -105,3 +105,40 @@ def make_settings(models_dir: Path, **overrides):
 
     defaults = {"models_dir": models_dir, "ort_intra_op_threads": 1, "log_level": "warning"}
     return Settings(_env_file=None, **{**defaults, **overrides})
+
+
+def make_tiny_translate_checkpoint(scratch: Path, attention: str = "linformer") -> tuple[Path, Path]:
+    """An untrained 2+2-layer Translator checkpoint (n_max = TINY_N_MAX, tgt_n_max 16) and its tokenizer."""
+    from dataclasses import asdict
+
+    import torch
+
+    from model import ModelConfig, Translator
+    from training.trainer import TrainConfig
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    vocab_size = _train_tokenizer(scratch / "tokenizer.model")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=vocab_size, n_max=TINY_N_MAX, d_model=32, n_heads=2, n_layers=2, d_ff=64, k=16,
+                      attention=attention, n_decoder_layers=2, tgt_n_max=16, cross_attention=attention,
+                      k_cross=8)  # fmt: skip
+    checkpoint = scratch / f"untrained-translate-{attention}.pt"
+    torch.save({"model": Translator(cfg).state_dict(), "model_config": asdict(cfg),
+                "train_config": asdict(TrainConfig(out_dir="untrained", epochs=0)),
+                "extra": {"task": "translate"}}, checkpoint)  # fmt: skip
+    return checkpoint, scratch / "tokenizer.model"
+
+
+def build_tiny_translate_bundle(path: Path, attention: str = "linformer") -> tuple[Path, Path]:
+    """A real translation bundle made by export/ (parity-checked) from an untrained Translator; returns the
+    bundle and the checkpoint it came from (for comparisons with PyTorch decoding)."""
+    import sentencepiece as spm
+
+    from export.translate import export_translator
+
+    path = Path(path)
+    checkpoint, tokenizer = make_tiny_translate_checkpoint(path.parent / f"{path.name}-source", attention)
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    sources = [sp.encode(text) + [3] for text in ("the film was great", "a bad movie", "never again watch")]
+    export_translator(checkpoint, tokenizer, path, path.name, sources)
+    return path, checkpoint

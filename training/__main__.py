@@ -2,9 +2,11 @@
 
     python -m training classify --attention linformer --k 128 --n-max 4096 --out runs/classify-linformer-k128
     python -m training classify --attention transformer --n-max 4096 --out runs/classify-transformer
+    python -m training translate --attention linformer --k 64 --out runs/translate-linformer-k64
+    python -m training translate-eval --checkpoint runs/translate-linformer-k64/best.pt --split test
     torchrun --nproc_per_node=2 -m training classify ...      # DistributedDataParallel (gloo on CPU)
 
-Data comes from `python -m training.imdb` (cached under .cache/data/imdb).
+Data comes from `python -m training.imdb` (.cache/data/imdb) and `python -m training.ende` (.cache/data/ende).
 """
 
 from __future__ import annotations
@@ -73,6 +75,41 @@ def run_classify(args: argparse.Namespace) -> None:
     )
 
 
+def run_translate(args: argparse.Namespace) -> None:
+    from training.translate import TranslateTask
+
+    data = Path(args.data)
+    meta = json.loads((data / "meta.json").read_text())
+    # Linformer models compress the encoder self-attention to k and the cross-attention to k_cross = k.
+    linformer = args.attention == "linformer"
+    cfg = ModelConfig(
+        vocab_size=meta["tokenizer"]["vocab_size"], n_max=args.n_max, d_model=args.d_model,
+        n_heads=args.n_heads, n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout,
+        attention=args.attention, k=args.k[0] if len(args.k) == 1 else args.k, sharing=args.sharing,
+        projection=args.projection, n_decoder_layers=args.n_decoder_layers, tgt_n_max=args.tgt_n_max,
+        cross_attention=args.attention, k_cross=(args.k_cross or args.k[0]) if linformer else 0,
+    )  # fmt: skip
+    task = TranslateTask(data, cfg)
+    print(f"training pairs: {len(task.splits['train']['src'])} (dropped as longer than n_max/tgt_n_max: "
+          f"{task.dropped_from_train})")  # fmt: skip
+    train(
+        task,
+        train_config(args),
+        extra={"task": "translate", "data": str(data), "data_meta": meta,
+               "dropped_from_train": task.dropped_from_train},
+    )  # fmt: skip
+
+
+def run_translate_eval(args: argparse.Namespace) -> None:
+    from training.translate_eval import evaluate_checkpoint
+
+    result = evaluate_checkpoint(
+        Path(args.checkpoint), args.split, beam_size=args.beam_size, batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens, threads=args.threads, data=args.data, limit=args.limit,
+    )  # fmt: skip
+    print(json.dumps(result, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -82,6 +119,26 @@ def main(argv: list[str] | None = None) -> None:
     add_model_args(classify)
     add_train_args(classify)
     classify.set_defaults(run=run_classify)
+
+    translate = sub.add_parser("translate", help="train an EN->DE encoder-decoder on prepared data")
+    translate.add_argument("--data", default=".cache/data/ende")
+    add_model_args(translate)
+    translate.add_argument("--n-decoder-layers", type=int, default=3)
+    translate.add_argument("--tgt-n-max", type=int, default=256)
+    translate.add_argument("--k-cross", type=int, default=0, help="compressed cross-attention length (default k)")
+    add_train_args(translate)
+    translate.set_defaults(run=run_translate, n_max=256, n_layers=3, k=[64])
+
+    evaluate = sub.add_parser("translate-eval", help="BLEU/chrF on a split, dev perplexity, decode time")
+    evaluate.add_argument("--checkpoint", required=True)
+    evaluate.add_argument("--split", default="test", choices=["dev", "test"])
+    evaluate.add_argument("--beam-size", type=int, default=1)
+    evaluate.add_argument("--batch-size", type=int, default=64)
+    evaluate.add_argument("--max-new-tokens", type=int, default=256)
+    evaluate.add_argument("--threads", type=int, default=0)
+    evaluate.add_argument("--limit", type=int, default=0, help="only the first N sentences (0: all)")
+    evaluate.add_argument("--data", help="default: the data directory the run trained on")
+    evaluate.set_defaults(run=run_translate_eval)
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -1,0 +1,173 @@
+"""Translation: the task, greedy and beam decoding with the cache, and the ONNX export, on a tiny synthetic
+EN->DE task (number words, training/ende.py's file layout) that a small Linformer learns in seconds."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import build_tiny_translate_bundle
+from tiny_ende import make_tiny_ende
+
+from export.translate import cache_names, export_translator, load_translator, sessions
+from model import ModelConfig
+from service.runtime import TranslatorRuntime
+from training.__main__ import main as training_main
+from training.batching import pad
+from training.decode import beam_search, greedy
+from training.provenance import sha256_of as sha256
+from training.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from training.translate import TranslateTask
+
+TINY_TRANSLATOR = [
+    "--attention", "linformer", "--k", "8", "--k-cross", "8", "--n-max", "16", "--tgt-n-max", "16",
+    "--d-model", "64", "--n-heads", "2", "--n-layers", "1", "--n-decoder-layers", "1", "--d-ff", "128",
+    "--dropout", "0.0",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny Linformer translator trained for a few seconds through the CLI: (task, run directory)."""
+    root = tmp_path_factory.mktemp("translate")
+    data = make_tiny_ende(root / "data", rows=2000)
+    run = root / "run"
+    training_main(["translate", "--data", str(data), *TINY_TRANSLATOR, "--epochs", "10", "--lr", "3e-3",
+                   "--warmup-steps", "30", "--max-tokens", "512", "--max-batch", "32", "--threads", "1",
+                   "--out", str(run)])  # fmt: skip
+    model, saved = load_translator(run / "best.pt")
+    task = TranslateTask(data, ModelConfig(**saved["model_config"]))
+    task.model = model
+    return task, run
+
+
+def test_sources_end_with_eos_and_decoder_targets_are_the_inputs_shifted_by_one(trained):
+    task, _ = trained
+    batch = task.collate([0, 1, 2], "test")
+    for row in range(3):
+        src = batch["src_ids"][row][batch["src_mask"][row].bool()].tolist()
+        assert src[-1] == EOS_ID and EOS_ID not in src[:-1]
+        tgt_in = batch["tgt_in"][row][batch["tgt_in"][row] != PAD_ID].tolist()
+        tgt_out = batch["tgt_out"][row][batch["tgt_out"][row] != PAD_ID].tolist()
+        assert tgt_in[0] == BOS_ID and tgt_out[-1] == EOS_ID and tgt_in[1:] == tgt_out[:-1]
+        assert task.sp.decode(tgt_out[:-1]) == task.splits["test"]["de"][row]
+
+
+def test_loss_does_not_depend_on_padding(trained):
+    task, _ = trained
+    batch = task.collate([0, 1, 2, 3], "test")
+    more = {name: torch.nn.functional.pad(t, (0, 5), value=PAD_ID) for name, t in batch.items()}  # 5 more columns
+    with torch.no_grad():
+        loss, n_tokens = task.loss(task.model.eval(), batch)
+        padded_loss, padded_tokens = task.loss(task.model, more)
+    assert n_tokens == padded_tokens == int(batch["src_mask"].sum()) + int((batch["tgt_out"] != PAD_ID).sum())
+    torch.testing.assert_close(padded_loss, loss, atol=1e-6, rtol=1e-6)
+
+
+def test_training_learns_the_synthetic_translation(trained):
+    task, run = trained
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["dev"]["ppl"] < 1.5, summary["dev"]
+    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    dev_ppl = [r["dev_ppl"] for r in records if "dev_ppl" in r]
+    assert dev_ppl[0] > 2 * dev_ppl[-1]
+    src, mask = pad(task.splits["test"]["src"], PAD_ID)
+    outputs = greedy(task.model, src, mask, 16)
+    exact = sum(task.sp.decode(ids) == de for ids, de in zip(outputs, task.splits["test"]["de"], strict=True))
+    assert exact >= 0.9 * len(outputs)
+
+
+def test_translate_eval_reports_chrf_ppl_and_decode_time(trained, capsys):
+    _, run = trained
+    training_main(["translate-eval", "--checkpoint", str(run / "best.pt"), "--split", "test", "--threads", "1"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["sentences"] == 100 and result["chrf"] > 90 and result["dev_ppl"] < 1.5
+    assert result["decode_s"] > 0 and (run / "eval-test-beam1.json").exists()
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_batched_decoding_equals_one_at_a_time(trained, beam_size):
+    task, _ = trained
+    sources = task.splits["test"]["src"][:12]  # 1 to 3 words: rows finish at different steps
+    src, mask = pad(sources, PAD_ID)
+    search = (lambda s, m: greedy(task.model, s, m, 16)) if beam_size == 1 else (
+        lambda s, m: beam_search(task.model, s, m, beam_size, 16))  # fmt: skip
+    batched = search(src, mask)
+    alone = [search(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))[0] for s in sources]
+    assert batched == alone
+
+
+def test_beam_search_translates_and_respects_max_new_tokens(trained):
+    task, _ = trained
+    src, mask = pad(task.splits["test"]["src"][:20], PAD_ID)
+    outputs = beam_search(task.model, src, mask, 4, 16)
+    exact = sum(task.sp.decode(ids) == de for ids, de in zip(outputs, task.splits["test"]["de"][:20], strict=True))
+    assert exact >= 18
+    assert all(len(ids) <= 2 for ids in beam_search(task.model, src, mask, 4, 2))
+    assert all(len(ids) <= 2 for ids in greedy(task.model, src, mask, 2))
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    task, run = trained
+    bundle = tmp_path_factory.mktemp("bundle") / "translate-tiny"
+    config = export_translator(run / "best.pt", run.parent / "data" / "spm.model", bundle, bundle.name,
+                               task.splits["test"]["src"][:40])  # fmt: skip
+    return task, bundle, config
+
+
+def test_exported_greedy_is_identical_to_pytorch_and_logits_agree(exported):
+    _, bundle, config = exported
+    parity = config["parity"]
+    assert parity["greedy_identical"] == parity["sentences"] == 40
+    assert parity["max_abs_logit_diff_cached_steps"] <= 1e-4 and parity["max_abs_logit_diff_full_prefix"] <= 1e-4
+    assert config["task"] == "translate" and config["onnx"] == {"encoder": "encoder.onnx", "decoder": "decoder.onnx"}
+    assert (config["k"], config["k_cross"], config["n_max"], config["tgt_n_max"]) == (8, 8, 16, 16)
+    manifest = json.loads((bundle / "manifest.json").read_text())["files"]
+    assert set(manifest) == {"config.json", "encoder.onnx", "decoder.onnx", "tokenizer.model", "MODEL_CARD.md"}
+    assert all(sha256(bundle / name) == digest for name, digest in manifest.items())
+    assert "Parity" in (bundle / "MODEL_CARD.md").read_text()
+
+
+def test_decoder_graph_takes_an_empty_cache_and_grows_it(exported, trained):
+    task, bundle, config = exported
+    model = task.model
+    L, H, hd = config["n_decoder_layers"], config["n_heads"], config["head_dim"]
+    encoder, decoder = sessions(bundle)
+    src, mask = pad(task.splits["test"]["src"][:3], PAD_ID)
+    cross_names = [*cache_names("cross", L), "cross_mask"]
+    cross = dict(zip(cross_names, encoder.run(cross_names, {"input_ids": src.numpy(), "attention_mask": mask.numpy()}),
+                     strict=True))  # fmt: skip
+    tgt = torch.tensor([[BOS_ID, 5, 6]] * 3)
+    empty = {name: np.zeros((3, H, 0, hd), np.float32) for name in cache_names("past", L)}
+    logits, *presents = decoder.run(None, {**cross, **empty, "input_ids": tgt[:, :2].numpy()})
+    assert presents[0].shape == (3, H, 2, hd)
+    past = dict(zip(cache_names("past", L), presents, strict=True))
+    step, *presents = decoder.run(None, {**cross, **past, "input_ids": tgt[:, 2:].numpy()})
+    assert presents[0].shape == (3, H, 3, hd)
+    with torch.no_grad():
+        expected = model.decode(tgt, model.encode(src, mask))[0].numpy()
+    np.testing.assert_allclose(np.concatenate([logits, step], axis=1), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_service_runtime_decodes_like_pytorch(exported, beam_size):
+    task, bundle, config = exported
+    encoder, decoder = sessions(bundle)
+    runtime = TranslatorRuntime(encoder, decoder, n_layers=config["n_decoder_layers"], n_heads=config["n_heads"],
+                                head_dim=config["head_dim"], tgt_n_max=config["tgt_n_max"], bos_id=BOS_ID,
+                                eos_id=EOS_ID)  # fmt: skip
+    src, mask = pad(task.splits["test"]["src"][:30], PAD_ID)
+    served = runtime.run(src.numpy(), mask.numpy(), (beam_size, 16))
+    if beam_size == 1:
+        assert served == greedy(task.model, src, mask, 16)
+    else:
+        assert served == beam_search(task.model, src, mask, beam_size, 16)
+
+
+def test_vanilla_transformer_exports_with_the_same_contract(tmp_path):
+    bundle, _ = build_tiny_translate_bundle(tmp_path / "translate-transformer", attention="transformer")
+    config = json.loads((bundle / "config.json").read_text())
+    assert config["attention"] == "transformer" and config["k_cross"] is None
+    assert config["parity"]["greedy_identical"] == config["parity"]["sentences"]
+    assert config["parity"]["max_abs_logit_diff_cached_steps"] <= 1e-4
