@@ -292,15 +292,16 @@ def plot(rows: list[dict], labels: tuple[str, ...], path: Path, task: str) -> No
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for users in sorted({r["users"] for r in rows}):
-        for label in labels:
+    markers = "osD^v<>"  # one per user count; one colour per deployment; p50 solid, p95 dotted
+    for u, users in enumerate(sorted({r["users"] for r in rows})):
+        for colour, label in enumerate(labels):
             sub = sorted((r for r in rows if r["deployment"] == label and r["users"] == users), key=lambda r: r["n"])
             if not sub:
                 continue
-            ns = [r["n"] for r in sub]
-            line = left.plot(ns, [r["p50_ms"] for r in sub], "o-", label=f"{label} p50, {users} u")[0]
-            left.plot(ns, [r["p95_ms"] for r in sub], "^:", color=line.get_color(), label=f"{label} p95, {users} u")
-            right.plot(ns, [r["requests_per_s"] for r in sub], "o-", label=f"{label}, {users} u")
+            ns, style = [r["n"] for r in sub], {"color": f"C{colour}", "marker": markers[u % len(markers)]}
+            left.plot(ns, [r["p50_ms"] for r in sub], "-", label=f"{label} p50, {users} user(s)", **style)
+            left.plot(ns, [r["p95_ms"] for r in sub], ":", label=f"{label} p95, {users} user(s)", **style)
+            right.plot(ns, [r["requests_per_s"] for r in sub], "-", label=f"{label}, {users} user(s)", **style)
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
