@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     classify.add_argument("--out", type=Path, required=True, help="bundle directory, e.g. models/classify-linformer")
     classify.add_argument("--name", help="bundle name (default: the --out directory name)")
     classify.add_argument("--tokenizer", type=Path, help="default: spm.model of the data the run trained on")
+    classify.add_argument("--note", default="", help="a line for the model card, e.g. how training shared the machine")
     translate = sub.add_parser("translate")
     translate.add_argument("--checkpoint", type=Path, required=True)
     translate.add_argument("--out", type=Path, required=True, help="bundle directory, e.g. models/translate-linformer")
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.task == "classify":
         from export.classify import export_classifier
 
-        config = export_classifier(args.checkpoint, tokenizer, args.out, name)
+        config = export_classifier(args.checkpoint, tokenizer, args.out, name, note=args.note)
     else:
         import sentencepiece as spm
 

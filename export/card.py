@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 
-def classifier_card(config: dict, saved: dict, checkpoint: Path) -> str:
+def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "") -> str:
     extra = saved.get("extra", {})
     meta = extra.get("data_meta", {})
     summary_path = checkpoint.parent / "summary.json"
@@ -52,7 +52,8 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path) -> str:
     if summary:
         lines += [
             f"- Trained on {summary['processes']} process(es) x {summary['threads_per_process']} CPU thread(s) "
-            f"of a 2-core machine; {summary['steps']} steps; wall time {summary['train_wall_s'] / 60:.1f} min.",
+            f"of a 2-core machine; {summary['steps']} steps; wall time {summary['train_wall_s'] / 60:.1f} min."
+            + (f" {note}" if note else ""),
             "",
             "## Metrics (best dev checkpoint)",
             "| split | accuracy | loss |",

@@ -71,7 +71,7 @@ def check_parity(model: Classifier, onnx_path: Path, lengths: list[int], seed: i
     return {"lengths": lengths, "max_abs_diff_vs_torch": worst_vs_torch, "max_abs_diff_padded_vs_alone": worst_padding}
 
 
-def export_classifier(checkpoint: Path, tokenizer: Path, out: Path, name: str) -> dict:
+def export_classifier(checkpoint: Path, tokenizer: Path, out: Path, name: str, note: str = "") -> dict:
     model, saved = load_classifier(checkpoint)
     cfg = model.cfg
     out.mkdir(parents=True, exist_ok=True)
@@ -103,6 +103,6 @@ def export_classifier(checkpoint: Path, tokenizer: Path, out: Path, name: str) -
         "versions": versions(),
     }
     write_json(out / "config.json", config)
-    (out / "MODEL_CARD.md").write_text(classifier_card(config, saved, checkpoint))
+    (out / "MODEL_CARD.md").write_text(classifier_card(config, saved, checkpoint, note))
     write_manifest(out)
     return config
