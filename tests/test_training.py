@@ -51,7 +51,7 @@ def test_classifier_learns_the_tiny_task_and_resumes(tiny_data, tmp_path):
             "--warmup-steps", "5", "--max-tokens", "1024", "--threads", "1", "--save-every", "10"]  # fmt: skip
     training_main([*args, "--epochs", "12"])
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["test"]["accuracy"] >= 0.85, summary["test"]
+    assert summary["test"]["accuracy"] >= 0.75, summary["test"]  # chance is 0.5
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records if "dev_accuracy" in r] == list(range(1, 13))
     assert {"best.pt", "last.pt"} <= {p.name for p in out.iterdir()}

@@ -15,6 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from model import ModelConfig
 from training.trainer import TrainConfig, train
 
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     evaluate.add_argument("--data", help="default: the data directory the run trained on")
     evaluate.set_defaults(run=run_translate_eval)
     args = parser.parse_args(argv)
+    if "seed" in args:  # the model is initialised when its task is built, before train() runs
+        torch.manual_seed(args.seed)
     args.run(args)
 
 
