@@ -36,7 +36,13 @@ if __package__ in (None, ""):  # `python loadtest/sweep.py`, or imported by `loc
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
-from loadtest.texts import CLASSIFY_LENGTHS, TRANSLATE_LENGTHS, prepare, texts_of_length  # noqa: E402
+from loadtest.texts import (  # noqa: E402
+    CLASSIFY_LENGTHS,
+    TRANSLATE_LENGTHS,
+    prepare,
+    texts_of_length,
+    translate_max_new_tokens,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -132,17 +138,20 @@ def describe(base: str, task: str) -> str:
 # ---- one run ----
 
 
-def warm_up(base: str, task: str, n: int, requests: int) -> list[int]:
-    """Sequential requests before measuring (first-run allocations); returns the tokens seen."""
-    seen = []
+def warm_up(base: str, task: str, n: int, requests: int) -> tuple[list[int], list[int]]:
+    """Sequential requests before measuring (first-run allocations): the input tokens the service saw
+    (classify) and the output tokens it generated (translate: decoding time follows them)."""
+    seen, generated = [], []
     for text in (texts_of_length(task, n) * requests)[:requests]:
         if task == "classify":
             reply = post_json(f"{base}/classify", {"texts": [text], "truncate": True})
             seen.append(reply["results"][0]["tokens"])
         else:
-            post_json(f"{base}/translate", {"texts": [text], "truncate": True, "max_new_tokens": 2 * n + 8})
-            seen.append(n)
-    return seen
+            body = {"texts": [text], "truncate": True, "max_new_tokens": translate_max_new_tokens(n)}
+            reply = post_json(f"{base}/translate", body)
+            seen.append(n)  # the reply counts output tokens only
+            generated.append(reply["translations"][0]["tokens"])
+    return seen, generated
 
 
 def run_locust(args: argparse.Namespace, base: str, n: int, users: int, prefix: Path) -> dict:
@@ -194,13 +203,15 @@ def model_level_speedups() -> dict[int, float]:
         return {int(r["n"]): float(r["speedup"]) for r in csv.DictReader(f) if r["k"] == "128"}
 
 
-def comparison_rows(rows: list[dict], labels: tuple[str, str]) -> list[dict]:
+def comparison_rows(
+    rows: list[dict], labels: tuple[str, str], model_level: dict[int, float] | None = None
+) -> list[dict]:
     """One row per (users, n): both deployments' numbers side by side, and the speedups.
 
     speedup = Transformer p50 / Linformer p50 (latency), throughput = Linformer req/s / Transformer req/s.
     """
     fast, slow = labels
-    model_level = model_level_speedups()
+    model_level = model_level or {}
     table = []
     for users in sorted({r["users"] for r in rows}):
         for n in sorted({r["n"] for r in rows if r["users"] == users}):
@@ -212,6 +223,8 @@ def comparison_rows(rows: list[dict], labels: tuple[str, str]) -> list[dict]:
             for label, r in ((fast, a), (slow, b)):
                 for key in ("p50_ms", "p95_ms", "p99_ms", "mean_ms", "requests_per_s", "failures"):
                     row[f"{label}_{key}"] = r[key]
+                if "warmup_output_tokens" in r:
+                    row[f"{label}_output_tokens"] = r["warmup_output_tokens"]
             row["speedup_p50"] = round(b["p50_ms"] / a["p50_ms"], 2) if a["p50_ms"] and b["p50_ms"] else None
             row["speedup_p95"] = round(b["p95_ms"] / a["p95_ms"], 2) if a["p95_ms"] and b["p95_ms"] else None
             # Locust keeps whole milliseconds below 100 ms: at 4 vs 5 ms the mean is the finer ratio
@@ -229,7 +242,7 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
     labels = tuple(args.labels)
     stem = args.out / f"sweep-{args.task}{args.suffix}"
     write_csv(stem.with_suffix(".csv"), rows)
-    table = comparison_rows(rows, labels)
+    table = comparison_rows(rows, labels, model_level_speedups() if args.task == "classify" else None)
     fast, slow = labels
     lines = header(f"End-to-end sweep: {args.task}, {fast} vs {slow} deployments under Locust",
                    ("locust", "onnxruntime", "fastapi", "uvicorn"), load_before)  # fmt: skip
@@ -267,9 +280,12 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
     for label in labels:
         columns |= {f"{label}_p50_ms": f"{label} p50 ms", f"{label}_p95_ms": f"{label} p95 ms",
                     f"{label}_p99_ms": f"{label} p99 ms", f"{label}_requests_per_s": f"{label} req/s"}  # fmt: skip
+        if args.task == "translate":  # decoding time follows the output length: show it
+            columns[f"{label}_output_tokens"] = f"{label} output tokens (warm-up mean)"
     columns |= {"speedup_p50": "speedup p50", "speedup_p95": "speedup p95", "speedup_mean": "speedup mean",
-                "throughput_ratio": "throughput ratio",
-                "model_level_speedup": "model-level speedup", "e2e_over_model": "e2e / model"}  # fmt: skip
+                "throughput_ratio": "throughput ratio"}  # fmt: skip
+    if args.task == "classify":  # Table 3 is the classifier's
+        columns |= {"model_level_speedup": "model-level speedup", "e2e_over_model": "e2e / model"}
     for users in sorted({r["users"] for r in table}):
         lines += [f"## {users} user{'s' if users > 1 else ''}", ""]
         lines += markdown_table([r for r in table if r["users"] == users], columns) + [""]
@@ -370,11 +386,13 @@ def main(argv: list[str] | None = None) -> None:
             order = args.labels if i % 2 == 0 else args.labels[::-1]
             for users in args.users:
                 for label in order:
-                    seen = warm_up(hosts[label], args.task, n, args.warmup)
+                    seen, generated = warm_up(hosts[label], args.task, n, args.warmup)
                     if any(tokens != n for tokens in seen):
                         raise RuntimeError(f"{label} saw {seen} tokens for texts of {n}: tokenizer mismatch?")
                     stats = run_locust(args, hosts[label], n, users, raw / f"locust_{label}_n{n}_u{users}")
                     rows.append(to_row(label, n, users, stats))
+                    if generated:
+                        rows[-1]["warmup_output_tokens"] = round(statistics.mean(generated), 1)
                     print(json.dumps(rows[-1]), flush=True)
     stem = write_report(args, rows, info, load_before)
     speedups = [r["speedup_p50"] for r in comparison_rows(rows, tuple(args.labels)) if r["speedup_p50"]]

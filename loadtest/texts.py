@@ -202,6 +202,12 @@ def lengths_from_env(name: str, default: tuple[int, ...]) -> list[int]:
     return [int(x) for x in raw.split(",") if x.strip()] if raw else list(default)
 
 
+def translate_max_new_tokens(n: int) -> int:
+    """Decoding budget of a translate request of n source tokens: LOADTEST_MAX_NEW_TOKENS, else 2n + 8."""
+    fixed = os.environ.get("LOADTEST_MAX_NEW_TOKENS")
+    return int(fixed) if fixed else min(2 * n + 8, 4096)
+
+
 CLASSIFY_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 TRANSLATE_LENGTHS = (16, 32, 64, 128)
 

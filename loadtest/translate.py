@@ -25,16 +25,16 @@ import gevent
 from locust import FastHttpUser, constant, events, tag
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `loadtest.texts` from any cwd
-from loadtest.texts import TRANSLATE_LENGTHS, lengths_from_env, texts_of_length  # noqa: E402
+from loadtest.texts import (  # noqa: E402
+    TRANSLATE_LENGTHS,
+    lengths_from_env,
+    texts_of_length,
+    translate_max_new_tokens,
+)
 
 LENGTHS = lengths_from_env("LOADTEST_TRANSLATE_LENGTHS", TRANSLATE_LENGTHS)
 BEAM_SIZE = int(os.environ.get("LOADTEST_BEAM_SIZE", "1"))
 log = logging.getLogger(__name__)
-
-
-def max_new_tokens(n: int) -> int:
-    fixed = os.environ.get("LOADTEST_MAX_NEW_TOKENS")
-    return int(fixed) if fixed else min(2 * n + 8, 4096)
 
 
 def translate_task(n: int):
@@ -45,7 +45,7 @@ def translate_task(n: int):
             return
         rotation = user.rotations.setdefault(n, itertools.cycle(texts_of_length("translate", n)))
         body = {"texts": [next(rotation)], "truncate": True, "beam_size": BEAM_SIZE,
-                "max_new_tokens": max_new_tokens(n)}  # fmt: skip
+                "max_new_tokens": translate_max_new_tokens(n)}  # fmt: skip
         with user.client.post("/translate", json=body, name=f"/translate n={n}", catch_response=True) as response:
             if response.status_code != 200:
                 response.failure(f"HTTP {response.status_code}: {response.text[:200]}")
