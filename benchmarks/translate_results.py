@@ -9,6 +9,7 @@ and writes benchmarks/results/translate.md.
 """
 
 import argparse
+import csv
 import datetime as dt
 import json
 import os
@@ -30,6 +31,27 @@ def describe(cfg: dict) -> str:
     if cfg["attention"] == "linformer":
         return f"Linformer k={cfg['k']}, k_cross={cfg['k_cross']}"
     return "Transformer"
+
+
+def bundle_lines(results: Path) -> list[str]:
+    """The served bundles (models/translate-*): size, parity at export, and the cache benchmark's speedups."""
+    lines = ["## Served bundles (ONNX Runtime)", "",
+             "| bundle | attention | size | greedy identical to PyTorch | max logit diff | KV-cache speedup |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for bundle in sorted((REPO / "models").glob("translate-*")):
+        config = json.loads((bundle / "config.json").read_text())
+        size = sum(f.stat().st_size for f in bundle.iterdir()) / 1e6
+        parity = config["parity"]
+        diff = max(parity["max_abs_logit_diff_cached_steps"], parity["max_abs_logit_diff_full_prefix"])
+        bench = results / f"decode-cache-{bundle.name}.csv"
+        speedups = "–"
+        if bench.exists():
+            rows = list(csv.DictReader(bench.open()))
+            speedups = ", ".join(f"B={r['batch']} {r['steps']} tok: {r['speedup']}x" for r in rows)
+        kind = describe(config["model_config"])
+        lines.append(f"| `{bundle.name}` | {kind} | {size:.1f} MB | {parity['greedy_identical']}/"
+                     f"{parity['sentences']} | {diff:.1e} | {speedups} |")  # fmt: skip
+    return [*lines, "", "Cache benchmark details: `decode-cache-<bundle>.md` (command, machine, versions).", ""]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         *notes,
         "",
     ]
+    lines += bundle_lines(args.out.parent)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
