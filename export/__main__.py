@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     translate.add_argument("--name", help="bundle name (default: the --out directory name)")
     translate.add_argument("--tokenizer", type=Path, help="default: spm.model of the data the run trained on")
     translate.add_argument("--parity-sentences", type=int, default=200, help="first N test sentences")
+    translate.add_argument("--note", action="append", default=[], help="a line for the model card's recipe")
     args = parser.parse_args(argv)
 
     import torch
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         n_max = torch.load(args.checkpoint, map_location="cpu", weights_only=False)["model_config"]["n_max"]
         pairs = read_pairs(Path(extra["data"]) / "test.tsv")[: args.parity_sentences]
         sources = [encode_source(sp, en, n_max) for en, _ in pairs]
-        config = export_translator(args.checkpoint, tokenizer, args.out, name, sources)
+        config = export_translator(args.checkpoint, tokenizer, args.out, name, sources, notes=args.note)
     print(json.dumps({"bundle": str(args.out), "parity": config["parity"], "export": config["export"]}))
 
 

@@ -77,7 +77,7 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "")
     return "\n".join(lines)
 
 
-def translator_card(config: dict, saved: dict, checkpoint: Path) -> str:
+def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str] | None = None) -> str:
     extra = saved.get("extra", {})
     meta = extra.get("data_meta", {})
     run = checkpoint.parent
@@ -91,6 +91,7 @@ def translator_card(config: dict, saved: dict, checkpoint: Path) -> str:
         kind = "vanilla Transformer (full softmax attention in the encoder and the cross-attention)"
     counts = meta.get("counts", {})
     packages = meta.get("package_versions", {})
+    budget = f"{train['max_steps']} steps" if train.get("max_steps") else f"{train['epochs']} epochs"
     lines = [
         f"# {config['name']}",
         "",
@@ -119,12 +120,13 @@ def translator_card(config: dict, saved: dict, checkpoint: Path) -> str:
         f"- Label-smoothed (0.1) cross-entropy; AdamW (betas 0.9/0.98, weight decay {train['weight_decay']}), peak "
         f"lr {train['lr']}, {train['warmup_steps']} warm-up steps then cosine decay, gradient clipping "
         f"{train['clip_norm']}, batches of at most {train['max_tokens']} padded tokens (bucketed by max(source, "
-        f"target) length), {train['epochs']} epochs, seed {train['seed']}; best checkpoint by dev perplexity.",
+        f"target) length), {budget}, seed {train['seed']}; best checkpoint by dev perplexity.",
         f"- Command: `python -m training translate --attention {cfg['attention']}"
         + (f" --k {cfg['k']} --k-cross {cfg['k_cross']}" if cfg["attention"] == "linformer" else "")
         + f" --d-model {cfg['d_model']} --n-heads {cfg['n_heads']} --n-layers {cfg['n_layers']}"
         f" --n-decoder-layers {cfg['n_decoder_layers']} --d-ff {cfg['d_ff']} --epochs {train['epochs']}"
-        f" --lr {train['lr']} --warmup-steps {train['warmup_steps']} --max-tokens {train['max_tokens']}"
+        + (f" --max-steps {train['max_steps']}" if train.get("max_steps") else "")
+        + f" --lr {train['lr']} --warmup-steps {train['warmup_steps']} --max-tokens {train['max_tokens']}"
         f" --threads {train['threads']} --out RUN`",
     ]
     if summary:
@@ -132,6 +134,7 @@ def translator_card(config: dict, saved: dict, checkpoint: Path) -> str:
             f"- Trained on {summary['processes']} process(es) x {summary['threads_per_process']} CPU thread(s) of a "
             f"2-core machine shared by three runs; {summary['steps']} steps; wall time "
             f"{summary['train_wall_s'] / 60:.1f} min.",
+            *(f"- {note}" for note in notes or []),
             "",
             "## Metrics",
             f"- Perplexity (reference tokens, EOS included): dev {summary['dev']['ppl']:.2f}, "

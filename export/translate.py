@@ -183,7 +183,8 @@ def check_parity(model: Translator, bundle: Path, sources: list[list[int]], max_
 
 
 def export_translator(
-    checkpoint: Path, tokenizer: Path, out: Path, name: str, parity_sources: list[list[int]], max_new_tokens: int = 256
+    checkpoint: Path, tokenizer: Path, out: Path, name: str, parity_sources: list[list[int]], max_new_tokens: int = 256,
+    notes: list[str] | None = None,
 ) -> dict:
     """Export, check parity on `parity_sources` (token ids with EOS), write the bundle; raise if parity fails."""
     model, saved = load_translator(checkpoint)
@@ -235,6 +236,6 @@ def export_translator(
         "versions": versions(),
     }
     write_json(out / "config.json", config)
-    (out / "MODEL_CARD.md").write_text(translator_card(config, saved, checkpoint))
+    (out / "MODEL_CARD.md").write_text(translator_card(config, saved, checkpoint, notes))
     write_manifest(out)
     return config
