@@ -16,17 +16,15 @@ from onnxruntime.transformers.optimizer import optimize_model
 from export.bundle import versions, write_json, write_manifest
 from export.card import classifier_card
 from export.fused import use_fused_attention
-from model import Classifier, ModelConfig
+from model import Classifier
 from training.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from training.trainer import load_trained
 
 OPSET = 17
 
 
 def load_classifier(checkpoint: Path) -> tuple[Classifier, dict]:
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
-    model = Classifier(ModelConfig(**saved["model_config"]))
-    model.load_state_dict(saved["model"])
-    return model.eval(), saved
+    return load_trained(checkpoint, Classifier)
 
 
 def export_onnx(model: Classifier, path: Path) -> dict[str, int]:

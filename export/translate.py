@@ -25,19 +25,17 @@ from torch import nn
 from export.bundle import versions, write_json, write_manifest
 from export.card import translator_card
 from export.fused import use_fused_attention
-from model import ModelConfig, Translator
+from model import Translator
 from training.batching import pad
 from training.decode import greedy
 from training.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from training.trainer import load_trained
 
 OPSET = 17
 
 
 def load_translator(checkpoint: Path) -> tuple[Translator, dict]:
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
-    model = Translator(ModelConfig(**saved["model_config"]))
-    model.load_state_dict(saved["model"])
-    return model.eval(), saved
+    return load_trained(checkpoint, Translator)
 
 
 def cache_names(prefix: str, n_layers: int) -> list[str]:

@@ -54,6 +54,16 @@ class TrainConfig:
     resume: bool = False
 
 
+def load_trained(checkpoint: Path, model_class: type[nn.Module]) -> tuple[nn.Module, dict]:
+    """A checkpoint written by train() -> (model in eval mode, the whole saved dict)."""
+    from model import ModelConfig
+
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    model = model_class(ModelConfig(**saved["model_config"]))
+    model.load_state_dict(saved["model"])
+    return model.eval(), saved
+
+
 def setup_distributed() -> tuple[int, int]:
     """(rank, world size); initialises the process group when started by torchrun."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
