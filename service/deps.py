@@ -30,7 +30,7 @@ class ServiceState:
     unavailable: dict[str, str] = field(default_factory=dict)  # task -> why it answers 503
 
 
-def get_state(request: Request) -> ServiceState:
+async def get_state(request: Request) -> ServiceState:  # async: a sync dependency costs a thread hop
     return request.app.state.service
 
 

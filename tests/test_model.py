@@ -108,6 +108,18 @@ def test_distinct_projection_matrices_match_the_paper(sharing, expected):
     assert len(distinct) == len(list(encoder.projections))  # no module registered twice
 
 
+def test_mean_initialised_linear_projection_starts_as_mean_pooling_and_is_learned():
+    linear = LowRankProjection("linear", 4, 16, 1, init="mean")
+    pooling = LowRankProjection("mean", 4, 16, 1)
+    x, keep = torch.randn(2, 1, 16, 8), torch.ones(2, 16, dtype=torch.bool)
+    torch.testing.assert_close(linear(x, keep)[0], pooling(x, keep)[0])
+    assert linear.weight.requires_grad and linear.num_matrices == 1
+    short = torch.randn(1, 1, 6, 8)  # a short input fills only the first windows
+    rows = linear(short, torch.ones(1, 6, dtype=torch.bool))[0][0, 0]
+    torch.testing.assert_close(rows[1], short[0, 0, 4:6].sum(0) / 4)
+    assert not rows[2:].any()
+
+
 def test_input_longer_than_n_max_is_an_error():
     cfg = small()
     model = Classifier(cfg).eval()
