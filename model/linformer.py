@@ -39,6 +39,7 @@ class ModelConfig:
     k: int | list[int] = 128  # projected length, or one per encoder layer (non-uniform k)
     sharing: str = "layerwise"  # none | headwise | key-value | layerwise
     projection: str = "linear"  # linear (learned E, F) | mean | max pooling | conv (kernel = stride = n/k)
+    projection_init: str = "random"  # linear E, F start random (fairseq) or as mean pooling ("mean")
     pad_id: int = 0
     num_labels: int = 2  # classifier only
     # encoder-decoder (translation) only
@@ -51,6 +52,7 @@ class ModelConfig:
         assert self.attention in ATTENTIONS, self.attention
         assert self.sharing in SHARING, self.sharing
         assert self.projection in PROJECTIONS, self.projection
+        assert self.projection_init in ("random", "mean"), self.projection_init
         assert self.cross_attention in ATTENTIONS, self.cross_attention
         assert self.d_model % self.n_heads == 0
         ks = self.layer_ks()
@@ -83,11 +85,15 @@ class LowRankProjection(nn.Module):
     or shared, i.e. E with tied blocks.
     """
 
-    def __init__(self, kind: str, k: int, n_max: int, n_heads: int):
+    def __init__(self, kind: str, k: int, n_max: int, n_heads: int, init: str = "random"):
         super().__init__()
         self.kind, self.k, self.window = kind, k, n_max // k
         self.num_matrices = 0 if kind in ("mean", "max") else n_heads  # distinct k x n matrices held
-        if kind == "linear":  # fairseq's xavier init with gain 1/sqrt(2) has this std
+        if kind == "linear" and init == "mean":  # row i averages positions [i n/k, (i+1) n/k): still fully learned
+            rows = torch.arange(n_max) * k // n_max  # which of the k rows each position falls in
+            e = (rows[None, :] == torch.arange(k)[:, None]).float()
+            self.weight = nn.Parameter((e / e.sum(dim=1, keepdim=True)).repeat(n_heads, 1, 1))
+        elif kind == "linear":  # fairseq's xavier init with gain 1/sqrt(2) has this std
             self.weight = nn.Parameter(torch.randn(n_heads, k, n_max) / math.sqrt(n_max + k))
         elif kind == "conv":  # starts as mean pooling
             self.weight = nn.Parameter(torch.full((n_heads, self.window), 1.0 / self.window))
@@ -137,11 +143,11 @@ def build_projections(cfg: ModelConfig, ks: list[int]) -> tuple[nn.ModuleList, l
         if cfg.sharing == "layerwise" and modules:
             plan.append((0, 0))
             continue
-        modules.append(LowRankProjection(cfg.projection, k, cfg.n_max, heads))
+        modules.append(LowRankProjection(cfg.projection, k, cfg.n_max, heads, cfg.projection_init))
         if cfg.sharing in ("key-value", "layerwise"):
             plan.append((len(modules) - 1,) * 2)
         else:
-            modules.append(LowRankProjection(cfg.projection, k, cfg.n_max, heads))
+            modules.append(LowRankProjection(cfg.projection, k, cfg.n_max, heads, cfg.projection_init))
             plan.append((len(modules) - 2, len(modules) - 1))
     return nn.ModuleList(modules), plan
 

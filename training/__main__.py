@@ -27,6 +27,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-max", type=int, default=4096)
     p.add_argument("--sharing", choices=["none", "headwise", "key-value", "layerwise"], default="layerwise")
     p.add_argument("--projection", choices=["linear", "mean", "max", "conv"], default="linear")
+    p.add_argument("--projection-init", choices=["random", "mean"], default="random",
+                   help="linear E/F: random (fairseq) or starting as mean pooling over n_max/k positions")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--n-heads", type=int, default=4)
     p.add_argument("--n-layers", type=int, default=2)
@@ -67,7 +69,7 @@ def run_classify(args: argparse.Namespace) -> None:
         vocab_size=meta["tokenizer"]["vocab_size"], n_max=args.n_max, d_model=args.d_model,
         n_heads=args.n_heads, n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout,
         attention=args.attention, k=args.k[0] if len(args.k) == 1 else args.k, sharing=args.sharing,
-        projection=args.projection, num_labels=len(LABELS),
+        projection=args.projection, projection_init=args.projection_init, num_labels=len(LABELS),
     )  # fmt: skip
     task = ClassifyTask(data, cfg)
     train(
@@ -88,7 +90,7 @@ def run_translate(args: argparse.Namespace) -> None:
         vocab_size=meta["tokenizer"]["vocab_size"], n_max=args.n_max, d_model=args.d_model,
         n_heads=args.n_heads, n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout,
         attention=args.attention, k=args.k[0] if len(args.k) == 1 else args.k, sharing=args.sharing,
-        projection=args.projection, n_decoder_layers=args.n_decoder_layers, tgt_n_max=args.tgt_n_max,
+        projection=args.projection, projection_init=args.projection_init, n_decoder_layers=args.n_decoder_layers, tgt_n_max=args.tgt_n_max,
         cross_attention=args.attention, k_cross=(args.k_cross or args.k[0]) if linformer else 0,
     )  # fmt: skip
     task = TranslateTask(data, cfg)
