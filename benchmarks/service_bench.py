@@ -7,9 +7,11 @@
 
     python benchmarks/service_bench.py [--bundle models/classify-linformer] [--out benchmarks/results]
 
-The server runs as `python -m service` in its own process; the load generator is a small raw
-HTTP/1.1 keep-alive client (asyncio streams) so that client-side Python costs as little CPU as
-possible. On a small machine client and server still share the cores: the report says how many.
+The server runs as `python -m service` in its own process. The load generator for (b) is wrk (C, one
+thread, keep-alive; `apt install wrk`), or without it a small raw asyncio HTTP/1.1 client. Each batching
+setting runs at every concurrency and every ORT intra-op thread count given, and the gain compares the
+best throughput of each, so batch size 1 gets its best configuration too. On a small machine client and
+server share the cores: the report says how many.
 """
 
 import argparse
@@ -20,10 +22,13 @@ import http.client
 import json
 import os
 import platform
+import re
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
@@ -153,7 +158,9 @@ async def _client(port: int, request: bytes, stop_at: float, latencies: list[flo
     writer.close()
 
 
-def saturated_throughput(port: int, body: bytes, concurrency: int, seconds: float) -> dict:
+def saturated_throughput(port: int, body: bytes, concurrency: int, seconds: float, client: str) -> dict:
+    if client == "wrk":
+        return wrk_throughput(port, body, concurrency, seconds)
     request = (
         b"POST /classify HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n" % len(body)
@@ -173,6 +180,27 @@ def saturated_throughput(port: int, body: bytes, concurrency: int, seconds: floa
         "throughput_rps": len(latencies) / elapsed,
         "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
         "errors": len(errors),
+    }
+
+
+def wrk_throughput(port: int, body: bytes, concurrency: int, seconds: float) -> dict:
+    """wrk (C, one thread, keep-alive connections): the load generator takes little of the shared cores."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                     f"wrk.body = {json.dumps(body.decode())}\n")
+    try:
+        out = subprocess.run(
+            ["wrk", "-t1", f"-c{concurrency}", f"-d{seconds:g}s", "--latency", "-s", script.name,
+             f"http://127.0.0.1:{port}/classify"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+    finally:
+        os.unlink(script.name)
+    p50 = re.search(r"^\s+50%\s+([\d.]+)(us|ms|s)$", out, re.M)
+    return {
+        "throughput_rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),
+        "p50_ms": float(p50.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[p50.group(2)],
+        "errors": int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses: (\d+)", out)) else 0,
     }
 
 
@@ -223,7 +251,8 @@ def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict,
         f"- machine: nproc={info['nproc']}, CPU: {info['cpu']}, {info['platform']}",
         f"- versions: python {info['python']}, "
         + ", ".join(f"{k} {info[k]}" for k in ("onnxruntime", "numpy", "fastapi", "uvicorn", "pydantic")),
-        f"- git commit: {info['git_commit']}; load generator and server share the machine's cores; "
+        f"- git commit: {info['git_commit']}; load generator for (b): {summary['client']}; it shares the "
+        "machine's cores with the server; "
         f"1-min load average before the run: {info['load_before']:.2f}",
         "",
         "## (a) Service overhead at one user",
@@ -249,8 +278,8 @@ def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict,
         )
     lines += [
         "",
-        f"Saturated throughput (best over concurrency): dynamic {summary['dynamic_best_rps']:.1f} req/s vs "
-        f"batch size 1 {summary['single_best_rps']:.1f} req/s = **{summary['gain']:.2f}x** "
+        "Saturated throughput (best over concurrency and ORT threads): "
+        f"dynamic {summary['dynamic_best_rps']:.1f} req/s vs batch size 1 {summary['single_best_rps']:.1f} req/s = **{summary['gain']:.2f}x** "
         f"(target >= 2x: {'met' if summary['gain'] >= 2 else 'NOT met'}).",
         "",
         f"![results]({stem}.png)",
@@ -269,9 +298,9 @@ def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict,
     left.set_ylabel("p50 latency (ms)")
     left.set_title(f"(a) one user, {summary['overhead_tokens']} tokens: "
                    f"overhead {summary['overhead_ms']:.2f} ms")
-    for setting, style in (("dynamic", "o-"), ("max_batch_size=1", "s--")):
+    for setting in dict.fromkeys(r["setting"] for r in throughput):
         points = [(r["concurrency"], r["value"]) for r in throughput if r["setting"] == setting]
-        right.plot(*zip(*points, strict=True), style, label=setting)
+        right.plot(*zip(*points, strict=True), "o-" if setting.startswith("dynamic") else "s--", label=setting)
     right.set_xscale("log", base=2)
     right.set_xlabel("concurrent clients")
     right.set_ylabel("throughput (req/s)")
@@ -292,6 +321,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="per throughput point")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--max-batch-size", type=int, default=32, help="for the dynamic-batching runs")
+    parser.add_argument("--ort-threads", type=int, nargs="+", default=[0, 1], help="ORT intra-op threads (0: default)")
+    parser.add_argument("--client", choices=["wrk", "python"], default="wrk" if shutil.which("wrk") else "python",
+                        help="load generator for (b): wrk (apt install wrk) or a raw asyncio client")
     args = parser.parse_args()
 
     if not args.bundle.exists():
@@ -329,27 +361,31 @@ def main() -> None:
 
     body = json.dumps({"text": load_text}).encode()
     best = {}
-    for setting, batch_size in (("dynamic", args.max_batch_size), ("max_batch_size=1", 1)):
-        for concurrency in args.concurrency:
-            server = Server(bundle, LINFORMER_MAX_BATCH_SIZE=str(batch_size))  # fresh metrics per point
-            try:
-                result = saturated_throughput(server.port, body, concurrency, args.seconds)
-                batch_mean = mean_batch_size(server.metrics())
-            finally:
-                server.stop()
-            print(f"(b) {setting:>17} c={concurrency:<3} {result['throughput_rps']:8.1f} req/s "
-                  f"p50 {result['p50_ms']:.2f} ms, mean batch {batch_mean:.2f}, errors {result['errors']}")
-            best[setting] = max(best.get(setting, 0.0), result["throughput_rps"])
-            for measurement, value, unit in (
-                ("throughput", result["throughput_rps"], "req/s"), ("latency_p50", result["p50_ms"], "ms"),
-                ("mean_batch_size", batch_mean, "texts"), ("errors", result["errors"], "responses"),
-            ):
-                rows.append({"measurement": measurement, "setting": setting, "concurrency": concurrency,
-                             "value": value, "unit": unit})
+    points = [(batching, batch_size, threads, concurrency)
+              for batching, batch_size in (("dynamic", args.max_batch_size), ("max_batch_size=1", 1))
+              for threads in args.ort_threads for concurrency in args.concurrency]
+    for batching, batch_size, threads, concurrency in points:
+        setting = f"{batching}, ORT threads {threads or 'default'}"
+        server = Server(bundle, LINFORMER_MAX_BATCH_SIZE=str(batch_size),  # fresh metrics per point
+                        LINFORMER_ORT_INTRA_OP_THREADS=str(threads))
+        try:
+            result = saturated_throughput(server.port, body, concurrency, args.seconds, args.client)
+            batch_mean = mean_batch_size(server.metrics())
+        finally:
+            server.stop()
+        print(f"(b) {setting:>36} c={concurrency:<3} {result['throughput_rps']:8.1f} req/s "
+              f"p50 {result['p50_ms']:.2f} ms, mean batch {batch_mean:.2f}, errors {result['errors']}")
+        best[batching] = max(best.get(batching, 0.0), result["throughput_rps"])
+        for measurement, value, unit in (
+            ("throughput", result["throughput_rps"], "req/s"), ("latency_p50", result["p50_ms"], "ms"),
+            ("mean_batch_size", batch_mean, "texts"), ("errors", result["errors"], "responses"),
+        ):
+            rows.append({"measurement": measurement, "setting": setting, "concurrency": concurrency,
+                         "value": value, "unit": unit})
 
     summary = {
         "overhead_tokens": len(overhead_ids), "raw_p50_ms": raw_p50, "http_p50_ms": http_p50,
-        "overhead_ms": http_p50 - raw_p50, "throughput_tokens": len(load_ids),
+        "overhead_ms": http_p50 - raw_p50, "throughput_tokens": len(load_ids), "client": args.client,
         "dynamic_best_rps": best["dynamic"], "single_best_rps": best["max_batch_size=1"],
         "gain": best["dynamic"] / best["max_batch_size=1"],
     }
