@@ -12,8 +12,10 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "")
     summary_path = checkpoint.parent / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     cfg, train = saved["model_config"], saved["train_config"]
+    init = cfg.get("projection_init", "random")
     kind = (
         f"Linformer, k={cfg['k']}, {cfg['sharing']} sharing, {cfg['projection']} projection"
+        + (" (initialised as mean pooling over n_max/k positions, then learned)" if init == "mean" else "")
         if cfg["attention"] == "linformer"
         else "vanilla Transformer (full softmax attention)"
     )
@@ -44,6 +46,8 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "")
         f"seed {train['seed']}.",
         f"- Command: `python -m training classify --attention {cfg['attention']}"
         + (f" --k {cfg['k']} --sharing {cfg['sharing']}" if cfg["attention"] == "linformer" else "")
+        + (f" --projection {cfg['projection']}" if cfg.get("projection", "linear") != "linear" else "")
+        + (f" --projection-init {init}" if init != "random" else "")
         + f" --n-max {cfg['n_max']} --d-model {cfg['d_model']} --n-heads {cfg['n_heads']}"
         f" --n-layers {cfg['n_layers']} --d-ff {cfg['d_ff']} --epochs {train['epochs']} --lr {train['lr']}"
         f" --warmup-steps {train['warmup_steps']} --max-tokens {train['max_tokens']}"
