@@ -89,9 +89,10 @@ class LowRankProjection(nn.Module):
         super().__init__()
         self.kind, self.k, self.window = kind, k, n_max // k
         self.num_matrices = 0 if kind in ("mean", "max") else n_heads  # distinct k x n matrices held
+        # linear in X and the same for every head: can compress the layer input (SelfAttention)
+        self.input_first = kind == "mean" or (kind == "linear" and n_heads == 1)
         if kind == "linear" and init == "mean":  # row i averages positions [i n/k, (i+1) n/k): still fully learned
-            rows = torch.arange(n_max) * k // n_max  # which of the k rows each position falls in
-            e = (rows[None, :] == torch.arange(k)[:, None]).float()
+            e = windows(k, n_max)
             self.weight = nn.Parameter((e / e.sum(dim=1, keepdim=True)).repeat(n_heads, 1, 1))
         elif kind == "linear":  # fairseq's xavier init with gain 1/sqrt(2) has this std
             self.weight = nn.Parameter(torch.randn(n_heads, k, n_max) / math.sqrt(n_max + k))
@@ -99,6 +100,8 @@ class LowRankProjection(nn.Module):
             self.weight = nn.Parameter(torch.full((n_heads, self.window), 1.0 / self.window))
         else:
             self.weight = None
+        if kind == "mean":  # pooling as a matrix product: exports as one MatMul, any length
+            self.register_buffer("blocks", windows(k, n_max), persistent=False)
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (B, H, T, hd), keep (B, T) bool -> compressed (B, H, k', hd) and which of the k' rows are
@@ -122,13 +125,24 @@ class LowRankProjection(nn.Module):
             out = (x * self.weight.view(1, -1, 1, r, 1)).sum(dim=3)
         return out, valid
 
-    def compress_input(self, x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For a linear E shared by all heads: E X on the layer input (B, T, C) -> (B, k, C), and E·keep
-        (B, k, 1), the weight each compressed row gives the projection's bias."""
+    def compress_input(self, x: torch.Tensor, keep: torch.Tensor):
+        """For a linear E shared by all heads, or mean pooling: E X on the layer input (B, T, C) -> (B, k', C),
+        the weight each compressed row gives the projection's bias (B, k', 1), and which rows are real
+        (B, k') or None when all are. Both are linear, so E (X Wk + b) = (E X) Wk + (E keep) b."""
         T = x.shape[1]
-        e = self.weight[0, :, :T]  # (k, T)
         keep = keep.to(x.dtype).unsqueeze(-1)  # (B, T, 1)
-        return e @ (x * keep), e @ keep
+        if self.kind == "mean":  # window sums over real tokens / their count; an empty window is masked
+            blocks = self.blocks[:, :T]  # (k, T)
+            count = blocks @ keep  # (B, k, 1)
+            valid = count > 0
+            return (blocks @ (x * keep)) / count.clamp(min=1), valid.to(x.dtype), valid.squeeze(-1)
+        e = self.weight[0, :, :T]  # (k, T)
+        return e @ (x * keep), e @ keep, None
+
+
+def windows(k: int, n_max: int) -> torch.Tensor:
+    """(k, n_max) 0/1: row i covers positions [i n_max/k, (i+1) n_max/k)."""
+    return (torch.arange(n_max)[None, :] * k // n_max == torch.arange(k)[:, None]).float()
 
 
 def build_projections(cfg: ModelConfig, ks: list[int]) -> tuple[nn.ModuleList, list[tuple[int, int]]]:
@@ -209,14 +223,13 @@ class SelfAttention(HeadedAttention):
     def forward(self, x, keep, e: LowRankProjection | None = None, f: LowRankProjection | None = None):
         if e is None:  # vanilla: every real key, padding masked
             k, v, key_mask = self.k(x), self.v(x), keep
-        elif e.kind == "linear" and e.num_matrices == 1:
+        elif e.input_first and f.input_first:
             # E (X Wk + b) = (E X) Wk + (E keep) b: compress the layer input to k rows first, then
             # apply Wk and Wv to k rows instead of T. Same numbers, ~4·T·C² fewer FLOPs per layer.
-            xe, we = e.compress_input(x, keep)
-            xf, wf = (xe, we) if f is e else f.compress_input(x, keep)
+            xe, we, key_mask = e.compress_input(x, keep)
+            xf, wf, _ = (xe, we, key_mask) if f is e else f.compress_input(x, keep)
             k = F.linear(xe, self.k.weight) + we * self.k.bias  # (B, k, C)
             v = F.linear(xf, self.v.weight) + wf * self.v.bias
-            key_mask = None
         else:  # per-head E/F, pooling or conv: compress each head's keys and values
             k, key_mask = e(self.heads(self.k(x)), keep)
             v, _ = f(self.heads(self.v(x)), keep)

@@ -31,7 +31,7 @@ def _train_tokenizer(path: Path) -> int:
     return spm.SentencePieceProcessor(model_file=str(path)).get_piece_size()
 
 
-def make_tiny_checkpoint(scratch: Path, attention: str = "linformer") -> tuple[Path, Path]:
+def make_tiny_checkpoint(scratch: Path, attention: str = "linformer", projection: str = "linear") -> tuple[Path, Path]:
     """An untrained 2-layer classifier checkpoint (n_max = TINY_N_MAX) and its tokenizer, as training writes."""
     from dataclasses import asdict
 
@@ -44,8 +44,8 @@ def make_tiny_checkpoint(scratch: Path, attention: str = "linformer") -> tuple[P
     vocab_size = _train_tokenizer(scratch / "tokenizer.model")
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=vocab_size, n_max=TINY_N_MAX, d_model=32, n_heads=2, n_layers=2, d_ff=64, k=16,
-                      attention=attention)  # fmt: skip
-    checkpoint = scratch / f"untrained-{attention}.pt"
+                      attention=attention, projection=projection)  # fmt: skip
+    checkpoint = scratch / f"untrained-{attention}-{projection}.pt"
     torch.save({"model": Classifier(cfg).state_dict(), "model_config": asdict(cfg),
                 "train_config": asdict(TrainConfig(out_dir="untrained", epochs=0)),
                 "extra": {"labels": ["negative", "positive"]}}, checkpoint)  # fmt: skip

@@ -12,10 +12,12 @@ from export.classify import export_classifier, load_classifier
 from training.provenance import sha256_of
 
 
-@pytest.fixture(scope="module", params=["linformer", "transformer"])
+@pytest.fixture(scope="module", params=["linformer", "transformer", "linformer-mean"])
 def exported(request, tmp_path_factory):
+    """Both attention kinds; the Linformer with a learned E and with mean pooling."""
     scratch = tmp_path_factory.mktemp(request.param)
-    checkpoint, tokenizer = make_tiny_checkpoint(scratch / "source", request.param)
+    attention, _, projection = request.param.partition("-")
+    checkpoint, tokenizer = make_tiny_checkpoint(scratch / "source", attention, projection or "linear")
     bundle = scratch / f"classify-{request.param}"
     config = export_classifier(checkpoint, tokenizer, bundle, bundle.name)
     return checkpoint, bundle, config

@@ -79,7 +79,7 @@ def test_padding_would_leak_if_it_were_not_removed_before_projecting(monkeypatch
         forward = LowRankProjection.forward
         monkeypatch.setattr(LowRankProjection, "forward", lambda self, x, keep: forward(self, x, keep | True))
         for projection in model.encoder.projections:  # take the per-head path, which uses forward()
-            monkeypatch.setattr(projection, "num_matrices", 0)
+            monkeypatch.setattr(projection, "input_first", False)
         leaky = model.encoder(ids, mask.bool())
     # the invariance test allows 1e-5; the leak moves hidden states by ~5e-3 to 1e-2 at this init
     assert (leaky[0, :13] - alone[0]).abs().max() > 1e-3
@@ -184,3 +184,15 @@ def test_translation_is_invariant_to_source_padding(cross_attention):
         batched = model(src, src_mask, tgt)
         alone = model(short[None], torch.ones(1, 9, dtype=torch.long), tgt[:1])
     torch.testing.assert_close(batched[0], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_mean_pooling_compresses_the_layer_input_first_with_the_same_numbers(monkeypatch):
+    cfg = small(projection="mean", sharing="layerwise")
+    model = Classifier(cfg).eval()
+    ids, mask = pad_batch([random_ids(cfg, 13), random_ids(cfg, 57)])
+    with torch.no_grad():
+        input_first = model(ids, mask)
+        for projection in model.encoder.projections:
+            monkeypatch.setattr(projection, "input_first", False)  # pool each head's keys and values instead
+        per_head = model(ids, mask)
+    torch.testing.assert_close(input_first, per_head, atol=1e-5, rtol=1e-5)
