@@ -13,9 +13,14 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "")
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     cfg, train = saved["model_config"], saved["train_config"]
     init = cfg.get("projection_init", "random")
-    kind = (
-        f"Linformer, k={cfg['k']}, {cfg['sharing']} sharing, {cfg['projection']} projection"
+    projection = (
+        f"{cfg['projection']} pooling over windows of n_max/k = {cfg['n_max'] // cfg['k']} positions"
+        if cfg["projection"] in ("mean", "max")
+        else f"{cfg['projection']} projection"
         + (" (initialised as mean pooling over n_max/k positions, then learned)" if init == "mean" else "")
+    )
+    kind = (
+        f"Linformer, k={cfg['k']}, {cfg['sharing']} sharing, {projection}"
         if cfg["attention"] == "linformer"
         else "vanilla Transformer (full softmax attention)"
     )

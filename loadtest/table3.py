@@ -1,6 +1,7 @@
 """The paper's Table 3 at model level: Linformer vs vanilla inference time and memory, random inputs.
 
     python -m loadtest.table3                         # served size, n = 512 ... 8192, k = 128, 256
+    python -m loadtest.table3 --projection mean --ks 128   # the served classifier's mean-pooling E
     python -m loadtest.table3 --size paper --lengths 512,1024,2048,4096,8192 --reps 3
 
 For each size, random-initialised classifiers (vanilla, and Linformer with layerwise sharing per k)
@@ -61,8 +62,9 @@ PAPER_SPEEDUP_K128 = {512: 1.5, 1024: 1.7, 2048: 2.6, 4096: 3.4, 8192: 5.5}
 # ---- models ----
 
 
-def export_models(size: str, ks: list[int], n_max: int) -> dict[str, dict]:
-    """label -> {"path", "fused", "k"}; cached by size, kind, k and n_max."""
+def export_models(size: str, ks: list[int], n_max: int, projection: str) -> dict[str, dict]:
+    """label -> {"path", "fused", "k"}; cached by size, kind, k, projection and n_max (delete
+    loadtest/.cache/ after changing the export)."""
     import torch
 
     from export.classify import export_onnx
@@ -71,14 +73,14 @@ def export_models(size: str, ks: list[int], n_max: int) -> dict[str, dict]:
     models = {}
     for k in [None, *ks]:
         label = "vanilla" if k is None else f"linformer-k{k}"
-        path = CACHE / f"{size}-{label}-nmax{n_max}.onnx"
+        path = CACHE / f"{size}-{label}{'' if k is None else '-' + projection}-nmax{n_max}.onnx"
         meta = path.with_suffix(".json")
         if not (path.exists() and meta.exists()):
             CACHE.mkdir(parents=True, exist_ok=True)
             torch.manual_seed(0)
             cfg = ModelConfig(
                 vocab_size=VOCAB, n_max=n_max, dropout=0.0, attention="transformer" if k is None else "linformer",
-                k=k or 128, sharing="layerwise", **SIZES[size],
+                k=k or 128, sharing="layerwise", projection=projection, **SIZES[size],
             )  # fmt: skip
             started = time.perf_counter()
             fused = export_onnx(Classifier(cfg).eval(), path)
@@ -210,7 +212,7 @@ def largest_batch(model: Path, n: int, threads: int, budget: int, peak1: int, ti
 
 def measure(args: argparse.Namespace, size: str) -> tuple[list[dict], dict]:
     lengths, ks = args.lengths, args.ks
-    models = export_models(size, ks, max(lengths))
+    models = export_models(size, ks, max(lengths), args.projection)
     for label, m in models.items():
         mha = m["fused"].get("MultiHeadAttention", 0)
         assert mha == SIZES[size]["n_layers"], f"{label}: {mha} fused MultiHeadAttention nodes, {m['fused']}"
@@ -250,7 +252,7 @@ def measure(args: argparse.Namespace, size: str) -> tuple[list[dict], dict]:
 
 
 def write_report(args: argparse.Namespace, size: str, rows: list[dict], models: dict, load_before: str) -> None:
-    stem = RESULTS / f"table3-{size}"
+    stem = RESULTS / stem_name(size, args.projection)
     write_csv(stem.with_suffix(".csv"), rows)
     s = SIZES[size]
     lines = header(f"Table 3 at model level ({size} size): Linformer vs vanilla on ONNX Runtime CPU",
@@ -258,7 +260,10 @@ def write_report(args: argparse.Namespace, size: str, rows: list[dict], models: 
     lines += [
         f"Models: random-initialised classifiers, d_model {s['d_model']}, {s['n_heads']} heads, "
         f"{s['n_layers']} layers, d_ff {s['d_ff']}, vocabulary {VOCAB}; Linformer with layerwise sharing "
-        f"(one E for K and V in every layer, input compressed first), k = {', '.join(map(str, args.ks))}. "
+        f"(one E for K and V in every layer, input compressed first), k = {', '.join(map(str, args.ks))}, "
+        + ("a learned linear E (the paper's). " if args.projection == "linear" else
+           f"{args.projection} pooling over windows of n_max/k positions (as the served classifier). ")
+        + 
         f"Exported with `export.classify.export_onnx` at n_max = {max(args.lengths)} (E sliced to n in the graph).",
         "",
         "Fused operators (ORT optimiser statistics): "
@@ -298,8 +303,8 @@ def write_report(args: argparse.Namespace, size: str, rows: list[dict], models: 
             "",
         ]
     lines += [
-        "Caveats: the machine was shared with training jobs while this ran (load average above and per row), "
-        "so absolute times are noisy; interleaving and medians keep the ratios fairer than the absolutes. "
+        "Caveats: on a shared 2-core machine absolute times are noisy (load average above and per row; "
+        "other jobs there run at idle priority); interleaving and medians keep the ratios fairer than the absolutes. "
         "The paper measured a larger model on a V100 GPU; the ratios, not the milliseconds, are comparable.",
         "",
         f"![speedup and memory saving vs n]({stem.name}.png)",
@@ -307,6 +312,10 @@ def write_report(args: argparse.Namespace, size: str, rows: list[dict], models: 
     ]
     stem.with_suffix(".md").write_text("\n".join(lines))
     plot(rows, args.ks, stem.with_suffix(".png"), size)
+
+
+def stem_name(size: str, projection: str) -> str:
+    return f"table3-{size}" if projection == "linear" else f"table3-{size}-{projection}"
 
 
 def plot(rows: list[dict], ks: list[int], path: Path, size: str) -> None:
@@ -349,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", choices=[*SIZES, "both"], default="served")
     parser.add_argument("--lengths", default="512,1024,2048,4096,8192", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--ks", default="128,256", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--projection", choices=["linear", "mean"], default="linear",
+                        help="the Linformer's E: linear (the paper's Table 3) or mean pooling")
     parser.add_argument("--threads", type=int, default=1, help="ORT intra-op threads, both kinds (default 1)")
     parser.add_argument("--reps", type=int, default=9, help="interleaved rounds per length, at most")
     parser.add_argument("--min-reps", type=int, default=3)
@@ -362,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         load_before = load_average()
         rows, models = measure(args, size)
         write_report(args, size, rows, models, load_before)
-        print(f"wrote {RESULTS / f'table3-{size}'}.{{csv,md,png}}")
+        print(f"wrote {RESULTS / stem_name(size, args.projection)}.{{csv,md,png}}")
 
 
 if __name__ == "__main__":
