@@ -81,6 +81,20 @@ def raw_session_p50_ms(bundle: Bundle, ids: list[int], runs: int) -> float:
     return statistics.median(times) * 1000
 
 
+def raw_texts_per_s(bundle: Bundle, ids: list[int], batch: int, threads: int, seconds: float = 3.0) -> float:
+    """The model alone, no HTTP: texts/s of back-to-back session.run calls at one batch size."""
+    session = make_session(bundle.onnx_path("model"), choose_providers("auto"), intra_op_threads=threads)
+    ids_array = np.array([ids] * batch, dtype=np.int64)
+    feeds = {"input_ids": ids_array, "attention_mask": np.ones_like(ids_array)}
+    for _ in range(5):
+        session.run(None, feeds)
+    runs, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        session.run(None, feeds)
+        runs += 1
+    return runs * batch / (time.perf_counter() - started)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -279,8 +293,21 @@ def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict,
     lines += [
         "",
         "Saturated throughput (best over concurrency and ORT threads): "
-        f"dynamic {summary['dynamic_best_rps']:.1f} req/s vs batch size 1 {summary['single_best_rps']:.1f} req/s = **{summary['gain']:.2f}x** "
+        f"dynamic {summary['dynamic_best_rps']:.1f} req/s vs batch size 1 {summary['single_best_rps']:.1f} req/s "
+        f"= **{summary['gain']:.2f}x** "
         f"(target >= 2x: {'met' if summary['gain'] >= 2 else 'NOT met'}).",
+        "",
+        "### What batching can gain here: the model alone (session.run back to back, no HTTP)",
+        "",
+        "| ORT intra-op threads | batch 1 (texts/s) | batch "
+        f"{summary['max_batch_size']} (texts/s) | ratio |",
+        "|---|---|---|---|",
+        *(f"| {t or 'default'} | {one:.0f} | {many:.0f} | {many / one:.2f} |"
+          for t, (one, many) in summary["raw"].items()),
+        "",
+        f"Ceiling for the service's gain on this machine (best batched over best batch 1): "
+        f"**{summary['raw_ceiling']:.2f}x**; the service's {summary['gain']:.2f}x is "
+        f"{summary['gain'] / summary['raw_ceiling']:.0%} of it.",
         "",
         f"![results]({stem}.png)",
         "",
@@ -383,7 +410,14 @@ def main() -> None:
             rows.append({"measurement": measurement, "setting": setting, "concurrency": concurrency,
                          "value": value, "unit": unit})
 
+    raw = {t: (raw_texts_per_s(bundle, load_ids, 1, t), raw_texts_per_s(bundle, load_ids, args.max_batch_size, t))
+           for t in args.ort_threads}  # fmt: skip
+    for t, (one, many) in raw.items():
+        print(f"raw model, ORT threads {t or 'default'}: batch 1 {one:.0f} texts/s, batch {args.max_batch_size} "
+              f"{many:.0f} texts/s")
     summary = {
+        "max_batch_size": args.max_batch_size, "raw": raw,
+        "raw_ceiling": max(many for _, many in raw.values()) / max(one for one, _ in raw.values()),
         "overhead_tokens": len(overhead_ids), "raw_p50_ms": raw_p50, "http_p50_ms": http_p50,
         "overhead_ms": http_p50 - raw_p50, "throughput_tokens": len(load_ids), "client": args.client,
         "dynamic_best_rps": best["dynamic"], "single_best_rps": best["max_batch_size=1"],
