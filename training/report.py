@@ -19,12 +19,14 @@ def row(run: Path) -> dict:
     s = json.loads((run / "summary.json").read_text())
     cfg = s["model_config"]
     linformer = cfg["attention"] == "linformer"
+    projection = cfg.get("projection", "linear") + (", mean init" if cfg.get("projection_init") == "mean" else "")
     return {
         "run": run.name,
         "model": "Linformer" if linformer else "Transformer",
         "n": cfg["n_max"],
         "k": cfg["k"] if linformer else "-",
         "sharing": cfg["sharing"] if linformer else "-",
+        "projection": projection if linformer else "-",
         "test_accuracy": round(100 * s["test"]["accuracy"], 2),
         "dev_accuracy": round(100 * s["dev"]["accuracy"], 2),
         "parameters": s["parameters"],
