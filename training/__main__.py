@@ -90,7 +90,8 @@ def run_translate(args: argparse.Namespace) -> None:
         vocab_size=meta["tokenizer"]["vocab_size"], n_max=args.n_max, d_model=args.d_model,
         n_heads=args.n_heads, n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout,
         attention=args.attention, k=args.k[0] if len(args.k) == 1 else args.k, sharing=args.sharing,
-        projection=args.projection, projection_init=args.projection_init, n_decoder_layers=args.n_decoder_layers, tgt_n_max=args.tgt_n_max,
+        projection=args.projection, projection_init=args.projection_init,
+        n_decoder_layers=args.n_decoder_layers, tgt_n_max=args.tgt_n_max,
         cross_attention=args.attention, k_cross=(args.k_cross or args.k[0]) if linformer else 0,
     )  # fmt: skip
     task = TranslateTask(data, cfg)
