@@ -94,7 +94,8 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
     evaluations = [json.loads(p.read_text()) for p in sorted(run.glob("eval-test-beam*.json"))]
     cfg, train = saved["model_config"], saved["train_config"]
     if cfg["attention"] == "linformer":
-        kind = (f"Linformer encoder (k={cfg['k']}, {cfg['sharing']} sharing, {cfg['projection']} projection), "
+        init = " initialised as mean pooling over n_max/k positions" if cfg.get("projection_init") == "mean" else ""
+        kind = (f"Linformer encoder (k={cfg['k']}, {cfg['sharing']} sharing, {cfg['projection']} projection{init}), "
                 f"Linformer-compressed cross-attention (k_cross={cfg['k_cross']})")  # fmt: skip
     else:
         kind = "vanilla Transformer (full softmax attention in the encoder and the cross-attention)"
@@ -132,6 +133,7 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
         f"target) length), {budget}, seed {train['seed']}; best checkpoint by dev perplexity.",
         f"- Command: `python -m training translate --attention {cfg['attention']}"
         + (f" --k {cfg['k']} --k-cross {cfg['k_cross']}" if cfg["attention"] == "linformer" else "")
+        + (" --projection-init mean" if cfg.get("projection_init") == "mean" else "")
         + f" --d-model {cfg['d_model']} --n-heads {cfg['n_heads']} --n-layers {cfg['n_layers']}"
         f" --n-decoder-layers {cfg['n_decoder_layers']} --d-ff {cfg['d_ff']} --epochs {train['epochs']}"
         + (f" --max-steps {train['max_steps']}" if train.get("max_steps") else "")
