@@ -93,9 +93,11 @@ def main(argv: list[str] | None = None) -> None:
         f"- Same recipe and budget for all: d_model {cfg['d_model']}, {cfg['n_layers']}+{cfg['n_decoder_layers']} "
         f"layers, {cfg['n_heads']} heads, d_ff {cfg['d_ff']}, dropout {cfg['dropout']}, n_max {cfg['n_max']}, "
         f"tgt_n_max {cfg['tgt_n_max']}; label smoothing 0.1; AdamW lr {train['lr']}, {train['warmup_steps']} "
-        f"warm-up steps, cosine decay; batches of <= {train['max_tokens']} padded tokens; {train['epochs']} "
-        f"epochs; seed {train['seed']}. Linformer: layerwise-shared linear E in the encoder, cross-attention "
-        "compressed to k_cross = k rows; Transformer: full attention in both.",
+        f"warm-up steps, cosine decay; batches of <= {train['max_tokens']} padded tokens; "
+        + (f"{train['max_steps']} steps" if train.get("max_steps") else f"{train['epochs']} epochs")
+        + f"; seed {train['seed']}. Linformer: layerwise-shared linear E in the encoder"
+        + (" (initialised as mean pooling over n_max/k positions)" if cfg.get("projection_init") == "mean" else "")
+        + ", cross-attention compressed to k_cross = k rows; Transformer: full attention in both.",
         "- PPL: exp of the per-token NLL (no smoothing) of the dev references, EOS included; best-dev-PPL "
         "checkpoint. BLEU/chrF: sacrebleu on the 1,500 test pairs, detokenised with SentencePiece"
         + (f" (`{ev_any['bleu_signature']}`, `{ev_any['chrf_signature']}`)" if ev_any else "") + ".",
