@@ -313,7 +313,7 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
     lines += [
         f"Failures across all runs: {failures} (a reply with the wrong token count or a non-200 status counts).",
         "",
-        "Caveats: a 2-core machine shared with training jobs while this ran (load average in the header and in "
+        "Caveats: a 2-core machine, possibly shared with other jobs (load average in the header and in "
         "sweep CSV rows), and the load generator shares it too; p99 from a short run rests on few requests at "
         "large n. Treat single-digit-percent differences as noise.",
         "",
