@@ -84,15 +84,16 @@ def run_translate(args: argparse.Namespace) -> None:
 
     data = Path(args.data)
     meta = json.loads((data / "meta.json").read_text())
-    # Linformer models compress the encoder self-attention to k and the cross-attention to k_cross = k.
-    linformer = args.attention == "linformer"
+    # Linformer models compress the encoder self-attention to k and, unless --cross-attention transformer,
+    # the cross-attention to k_cross (default k).
+    cross = args.cross_attention or args.attention
     cfg = ModelConfig(
         vocab_size=meta["tokenizer"]["vocab_size"], n_max=args.n_max, d_model=args.d_model,
         n_heads=args.n_heads, n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout,
         attention=args.attention, k=args.k[0] if len(args.k) == 1 else args.k, sharing=args.sharing,
         projection=args.projection, projection_init=args.projection_init,
         n_decoder_layers=args.n_decoder_layers, tgt_n_max=args.tgt_n_max,
-        cross_attention=args.attention, k_cross=(args.k_cross or args.k[0]) if linformer else 0,
+        cross_attention=cross, k_cross=(args.k_cross or args.k[0]) if cross == "linformer" else 0,
     )  # fmt: skip
     task = TranslateTask(data, cfg)
     print(f"training pairs: {len(task.splits['train']['src'])} (dropped as longer than n_max/tgt_n_max: "
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     translate.add_argument("--n-decoder-layers", type=int, default=3)
     translate.add_argument("--tgt-n-max", type=int, default=256)
     translate.add_argument("--k-cross", type=int, default=0, help="compressed cross-attention length (default k)")
+    translate.add_argument("--cross-attention", choices=["linformer", "transformer"],
+                           help="decoder attention over the source (default: as --attention)")
     add_train_args(translate)
     translate.set_defaults(run=run_translate, n_max=256, n_layers=3, k=[64])
 
