@@ -28,6 +28,8 @@ def cpu_model() -> str:
 
 
 def describe(cfg: dict) -> str:
+    if cfg["attention"] == "linformer" and cfg.get("cross_attention", "linformer") == "transformer":
+        return f"Linformer k={cfg['k']}, full cross-attention"
     if cfg["attention"] == "linformer":
         return f"Linformer k={cfg['k']}, k_cross={cfg['k_cross']}"
     return "Transformer"

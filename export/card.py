@@ -95,8 +95,10 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
     cfg, train = saved["model_config"], saved["train_config"]
     if cfg["attention"] == "linformer":
         init = " initialised as mean pooling over n_max/k positions" if cfg.get("projection_init") == "mean" else ""
-        kind = (f"Linformer encoder (k={cfg['k']}, {cfg['sharing']} sharing, {cfg['projection']} projection{init}), "
-                f"Linformer-compressed cross-attention (k_cross={cfg['k_cross']})")  # fmt: skip
+        cross = ("full cross-attention over the source" if cfg.get("cross_attention") == "transformer"
+                 else f"Linformer-compressed cross-attention (k_cross={cfg['k_cross']})")  # fmt: skip
+        encoder = f"Linformer encoder (k={cfg['k']}, {cfg['sharing']} sharing, {cfg['projection']} projection{init})"
+        kind = f"{encoder}, {cross}"
     else:
         kind = "vanilla Transformer (full softmax attention in the encoder and the cross-attention)"
     counts = meta.get("counts", {})
@@ -133,6 +135,7 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
         f"target) length), {budget}, seed {train['seed']}; best checkpoint by dev perplexity.",
         f"- Command: `python -m training translate --attention {cfg['attention']}"
         + (f" --k {cfg['k']} --k-cross {cfg['k_cross']}" if cfg["attention"] == "linformer" else "")
+        + (" --cross-attention transformer" if cfg["attention"] == "linformer" and not cfg["k_cross"] else "")
         + (" --projection-init mean" if cfg.get("projection_init") == "mean" else "")
         + f" --d-model {cfg['d_model']} --n-heads {cfg['n_heads']} --n-layers {cfg['n_layers']}"
         f" --n-decoder-layers {cfg['n_decoder_layers']} --d-ff {cfg['d_ff']} --epochs {train['epochs']}"
