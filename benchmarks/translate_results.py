@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         + (f"{train['max_steps']} steps" if train.get("max_steps") else f"{train['epochs']} epochs")
         + f"; seed {train['seed']}. Linformer: layerwise-shared linear E in the encoder"
         + (" (initialised as mean pooling over n_max/k positions)" if cfg.get("projection_init") == "mean" else "")
-        + ", cross-attention compressed to k_cross = k rows; Transformer: full attention in both.",
+        + ", cross-attention compressed to k_cross rows or full, as each row says; Transformer: full attention "
+        "in both.",
         "- PPL: exp of the per-token NLL (no smoothing) of the dev references, EOS included; best-dev-PPL "
         "checkpoint. BLEU/chrF: sacrebleu on the 1,500 test pairs, detokenised with SentencePiece"
         + (f" (`{ev_any['bleu_signature']}`, `{ev_any['chrf_signature']}`)" if ev_any else "") + ".",

@@ -134,8 +134,9 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
         f"{train['clip_norm']}, batches of at most {train['max_tokens']} padded tokens (bucketed by max(source, "
         f"target) length), {budget}, seed {train['seed']}; best checkpoint by dev perplexity.",
         f"- Command: `python -m training translate --attention {cfg['attention']}"
-        + (f" --k {cfg['k']} --k-cross {cfg['k_cross']}" if cfg["attention"] == "linformer" else "")
-        + (" --cross-attention transformer" if cfg["attention"] == "linformer" and not cfg["k_cross"] else "")
+        + (f" --k {cfg['k']}" if cfg["attention"] == "linformer" else "")
+        + (f" --k-cross {cfg['k_cross']}" if cfg["cross_attention"] == "linformer" and cfg["attention"] == "linformer"
+           else " --cross-attention transformer" if cfg["attention"] == "linformer" else "")
         + (" --projection-init mean" if cfg.get("projection_init") == "mean" else "")
         + f" --d-model {cfg['d_model']} --n-heads {cfg['n_heads']} --n-layers {cfg['n_layers']}"
         f" --n-decoder-layers {cfg['n_decoder_layers']} --d-ff {cfg['d_ff']} --epochs {train['epochs']}"
@@ -146,7 +147,7 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
     if summary:
         lines += [
             f"- Trained on {summary['processes']} process(es) x {summary['threads_per_process']} CPU thread(s) of a "
-            f"2-core machine shared by three runs; {summary['steps']} steps; wall time "
+            f"2-core machine; {summary['steps']} steps; wall time "
             f"{summary['train_wall_s'] / 60:.1f} min.",
             *(f"- {note}" for note in notes or []),
             "",

@@ -263,8 +263,7 @@ def write_report(args: argparse.Namespace, size: str, rows: list[dict], models: 
         f"(one E for K and V in every layer, input compressed first), k = {', '.join(map(str, args.ks))}, "
         + ("a learned linear E (the paper's). " if args.projection == "linear" else
            f"{args.projection} pooling over windows of n_max/k positions (as the served classifier). ")
-        + 
-        f"Exported with `export.classify.export_onnx` at n_max = {max(args.lengths)} (E sliced to n in the graph).",
+        + f"Exported with `export.classify.export_onnx` at n_max = {max(args.lengths)} (E sliced to n in the graph).",
         "",
         "Fused operators (ORT optimiser statistics): "
         + "; ".join(f"{label}: {m['fused']}" for label, m in models.items())
