@@ -11,7 +11,8 @@ mismatched tokenizer cannot pass unnoticed. `truncate: true` guards against a 41
 ever come out longer than the model's n_max.
 
 Env: LOADTEST_LENGTHS (default 128,...,4096), LOADTEST_TEXTS_PER_REQUEST (default 1),
-LOADTEST_TOKEN_TOLERANCE (default 0: the reply must say exactly n tokens).
+LOADTEST_TOKEN_TOLERANCE (default 0: the reply must say exactly n tokens), LOADTEST_RESPONSE_TIMES
+(a file for the exact time of every request, which loadtest.sweep reads).
 Tags: `classify` on every task, `n<length>` on each.
 """
 
@@ -22,12 +23,18 @@ import os
 import sys
 from pathlib import Path
 
-from locust import FastHttpUser, constant, tag
+from locust import FastHttpUser, constant, events, tag
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `loadtest.texts` from any cwd
-from loadtest.texts import CLASSIFY_LENGTHS, lengths_from_env, texts_of_length  # noqa: E402
+from loadtest.texts import (  # noqa: E402
+    CLASSIFY_LENGTHS,
+    lengths_from_env,
+    record_response_times,
+    texts_of_length,
+)
 
 LENGTHS = lengths_from_env("LOADTEST_LENGTHS", CLASSIFY_LENGTHS)
+record_response_times(events, "/classify ")
 TEXTS_PER_REQUEST = int(os.environ.get("LOADTEST_TEXTS_PER_REQUEST", "1"))
 TOKEN_TOLERANCE = int(os.environ.get("LOADTEST_TOKEN_TOLERANCE", "0"))
 

@@ -9,7 +9,7 @@ from GET /v1/models at the start of the test) are left out with a warning; `trun
 the rest. The decoder's work grows with the output, so max_new_tokens is fixed per length.
 
 Env: LOADTEST_TRANSLATE_LENGTHS (default 16,32,64,128), LOADTEST_BEAM_SIZE (default 1),
-LOADTEST_MAX_NEW_TOKENS (default 2n + 8, at most 4096).
+LOADTEST_MAX_NEW_TOKENS (default 2n + 8, at most 4096), LOADTEST_RESPONSE_TIMES (as for classify).
 Tags: `translate` on every task, `t<length>` on each.
 """
 
@@ -28,11 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `loadtest.texts`
 from loadtest.texts import (  # noqa: E402
     TRANSLATE_LENGTHS,
     lengths_from_env,
+    record_response_times,
     texts_of_length,
     translate_max_new_tokens,
 )
 
 LENGTHS = lengths_from_env("LOADTEST_TRANSLATE_LENGTHS", TRANSLATE_LENGTHS)
+record_response_times(events, "/translate ")
 BEAM_SIZE = int(os.environ.get("LOADTEST_BEAM_SIZE", "1"))
 log = logging.getLogger(__name__)
 

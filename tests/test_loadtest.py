@@ -4,6 +4,7 @@ import argparse
 import csv
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -183,6 +184,18 @@ def test_headless_locust_run_gets_exact_lengths_from_a_real_service(models_dir, 
         assert int(row["Failure Count"]) == 0, done.stderr[-2000:]
 
 
+def test_sweep_percentiles_come_from_the_exact_times_when_locust_wrote_them():
+    from loadtest import sweep
+
+    locust = {"Request Count": "100", "Failure Count": "0", "Requests/s": "50", "50%": "9", "95%": "10",
+              "99%": "11", "Average Response Time": "9.1"}  # fmt: skip
+    assert sweep.to_row("linformer", 1024, 1, locust)["p50_ms"] == 9.0  # no exact times: Locust's rounded ones
+    exact = [8.0 + i / 100 for i in range(101)]  # 8.00 ... 9.00 ms, which Locust would call 8 or 9
+    row = sweep.to_row("linformer", 1024, 1, {**locust, "exact": exact})
+    assert (row["p50_ms"], row["p95_ms"], row["p99_ms"], row["mean_ms"]) == (8.5, 8.95, 8.99, 8.5)
+    assert row["percentiles"] == "exact (101 requests)"
+
+
 @pytest.mark.slow
 def test_sweep_spawns_both_deployments_and_writes_the_report(tmp_path):
     from export.classify import export_classifier
@@ -204,5 +217,8 @@ def test_sweep_spawns_both_deployments_and_writes_the_report(tmp_path):
     expected = {(d, n) for d in ("linformer", "transformer") for n in ("16", "64")}
     assert {(r["deployment"], r["n"]) for r in rows} == expected
     assert all(int(r["requests"]) > 0 and int(r["failures"]) == 0 for r in rows)
+    # every request timed; Locust's CSV is rewritten once a second, so its count may miss the last one
+    exact = [int(re.fullmatch(r"exact \((\d+) requests\)", r["percentiles"]).group(1)) for r in rows]
+    assert all(timed >= int(r["requests"]) for timed, r in zip(exact, rows, strict=True))
     markdown = (tmp_path / "results" / "sweep-classify.md").read_text()
     assert "speedup p50" in markdown and "taskset" in markdown
