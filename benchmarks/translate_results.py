@@ -2,10 +2,11 @@
 
 Reads runs/<run>/summary.json (training: steps, wall time, dev/test perplexity) and
 runs/<run>/eval-test-beam<N>.json (`python -m training translate-eval`: BLEU, chrF, PyTorch decode time),
-and writes benchmarks/results/translate.md.
+and writes benchmarks/results/translate.{csv,md}. Rows of runs not named on the command line are kept
+from the CSV, so a run trained later adds its rows to the committed ones.
 
-    python benchmarks/translate_results.py runs/translate-linformer-k32 runs/translate-linformer-k64 \
-        runs/translate-transformer
+    python benchmarks/translate_results.py runs/translate-linformer-k32 runs/translate-transformer \
+        --trained "alone, 2 threads"
 """
 
 import argparse
@@ -56,65 +57,111 @@ def bundle_lines(results: Path) -> list[str]:
     return [*lines, "", "Cache benchmark details: `decode-cache-<bundle>.md` (command, machine, versions).", ""]
 
 
+COLUMNS = ["run", "model", "ppl_dev", "ppl_test", "parameters", "beam", "bleu", "chrf", "train_min", "steps", "trained",
+           "decode_s", "decode_ms_per_sentence", "eval_threads", "measured", "recipe", "signatures"]  # fmt: skip
+
+
+def recipe(cfg: dict, train: dict) -> str:
+    return (
+        f"d_model {cfg['d_model']}, {cfg['n_layers']}+{cfg['n_decoder_layers']} layers, {cfg['n_heads']} heads, "
+        f"d_ff {cfg['d_ff']}, dropout {cfg['dropout']}, n_max {cfg['n_max']}, tgt_n_max {cfg['tgt_n_max']}; label "
+        f"smoothing 0.1; AdamW lr {train['lr']}, {train['warmup_steps']} warm-up steps, cosine decay; batches of "
+        f"<= {train['max_tokens']} padded tokens; "
+        + (f"{train['max_steps']} steps" if train.get("max_steps") else f"{train['epochs']} epochs")
+        + f"; seed {train['seed']}. Linformer: layerwise-shared linear E in the encoder"
+        + (" (initialised as mean pooling over n_max/k positions)" if cfg.get("projection_init") == "mean" else "")
+        + ", cross-attention compressed to k_cross rows or full, as each row says; Transformer: full attention in "
+        "both."
+    )
+
+
+def run_rows(run: Path, trained: str | None) -> list[dict]:
+    """One row per test evaluation (beam size) of a run, or one without BLEU if it was not evaluated."""
+    summary = json.loads((run / "summary.json").read_text())
+    threads = summary.get("threads_per_process", summary["train_config"]["threads"])
+    common = {
+        "run": run.name, "model": describe(summary["model_config"]), "ppl_dev": round(summary["dev"]["ppl"], 2),
+        "ppl_test": round(summary["test"]["ppl"], 2), "parameters": summary["parameters"],
+        "train_min": round(summary["train_wall_s"] / 60, 1), "steps": summary["steps"],
+        "trained": trained or f"{threads} torch thread(s)",
+        "recipe": recipe(summary["model_config"], summary["train_config"]),
+        "measured": dt.datetime.fromtimestamp((run / "summary.json").stat().st_mtime, dt.timezone.utc).date(),
+    }  # fmt: skip
+    evaluations = sorted(
+        (json.loads(p.read_text()) for p in run.glob("eval-test-beam*.json") if "first" not in p.name),
+        key=lambda e: e["beam_size"],
+    )
+    if not evaluations:
+        return [common]
+    return [
+        {**common, "beam": ev["beam_size"], "bleu": round(ev["bleu"], 2), "chrf": round(ev["chrf"], 2),
+         "decode_s": round(ev["decode_s"], 1), "decode_ms_per_sentence": round(ev["decode_ms_per_sentence"], 1),
+         "eval_threads": ev["threads"],
+         "signatures": f"`{ev['bleu_signature']}`, `{ev['chrf_signature']}`"}  # fmt: skip
+        for ev in evaluations
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", type=Path, nargs="+")
+    parser.add_argument("runs", type=Path, nargs="*")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "translate.md")
+    parser.add_argument("--trained", help='how the given runs shared the machine, e.g. "alone, 2 threads"')
     args = parser.parse_args(argv)
 
-    rows, notes = [], []
+    # Rows of runs not given here are kept from the earlier CSV: runs/ is not in git, the results are.
+    table = args.out.with_suffix(".csv")
+    given = {run.name for run in args.runs}
+    earlier = list(csv.DictReader(table.open())) if table.exists() else []
+    rows = [r for r in earlier if r["run"] not in given]
     for run in args.runs:
-        summary = json.loads((run / "summary.json").read_text())
-        cfg, train = summary["model_config"], summary["train_config"]
-        evaluations = sorted(
-            (json.loads(p.read_text()) for p in run.glob("eval-test-beam*.json") if "first" not in p.name),
-            key=lambda e: e["beam_size"],
-        )
-        for ev in evaluations:
-            rows.append(
-                f"| {describe(cfg)} | {summary['dev']['ppl']:.2f} | {ev['bleu']:.2f} | {ev['chrf']:.2f} | "
-                f"{summary['train_wall_s'] / 60:.1f} min ({summary['steps']} steps) | beam {ev['beam_size']}: "
-                f"{ev['decode_s']:.1f} s ({ev['decode_ms_per_sentence']:.1f} ms/sentence) |"
-            )
-        if not evaluations:
-            rows.append(f"| {describe(cfg)} | {summary['dev']['ppl']:.2f} | – | – | "
-                        f"{summary['train_wall_s'] / 60:.1f} min ({summary['steps']} steps) | – |")  # fmt: skip
-        notes.append(f"- `{run}`: {summary['parameters']:,} parameters, test PPL {summary['test']['ppl']:.2f}")
-    first = json.loads((args.runs[0] / "summary.json").read_text())
-    cfg, train = first["model_config"], first["train_config"]
-    ev_any = next(
-        (json.loads(p.read_text()) for run in args.runs for p in run.glob("eval-test-beam*.json")), None
-    )
+        rows += run_rows(run, args.trained)
+    # the full-attention-over-the-source Linformers next to the Transformer, the compressed ones after
+    rows.sort(key=lambda r: ("k_cross" in r["model"], r["model"] == "Transformer", r["model"], int(r.get("beam") or 0)))
+    with table.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+
+    def cell(row: dict, key: str) -> str:  # values are rounded when a row is made; CSV rows are strings
+        return str(row[key]) if row.get(key) not in (None, "") else "–"
+
     lines = [
         "# EN->DE translation: Linformer vs Transformer",
         "",
         f"- Date: {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {cpu_model()}, "
-        f"nproc {os.cpu_count()}, {platform.platform()}; the three runs trained in parallel, "
-        f"{train['threads']} torch thread each.",
-        f"- Command: `python {' '.join([Path(sys.argv[0]).as_posix(), *map(str, args.runs)])}`",
-        f"- Same recipe and budget for all: d_model {cfg['d_model']}, {cfg['n_layers']}+{cfg['n_decoder_layers']} "
-        f"layers, {cfg['n_heads']} heads, d_ff {cfg['d_ff']}, dropout {cfg['dropout']}, n_max {cfg['n_max']}, "
-        f"tgt_n_max {cfg['tgt_n_max']}; label smoothing 0.1; AdamW lr {train['lr']}, {train['warmup_steps']} "
-        f"warm-up steps, cosine decay; batches of <= {train['max_tokens']} padded tokens; "
-        + (f"{train['max_steps']} steps" if train.get("max_steps") else f"{train['epochs']} epochs")
-        + f"; seed {train['seed']}. Linformer: layerwise-shared linear E in the encoder"
-        + (" (initialised as mean pooling over n_max/k positions)" if cfg.get("projection_init") == "mean" else "")
-        + ", cross-attention compressed to k_cross rows or full, as each row says; Transformer: full attention "
-        "in both.",
+        f"nproc {os.cpu_count()}, {platform.platform()}.",
+        f"- Command: `python {' '.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}` "
+        f"(rows of runs not named there are kept from `{table.name}`, with the date each was measured).",
+    ]
+    recipes = sorted({r["recipe"] for r in rows if r.get("recipe")})
+    if len(recipes) == 1:
+        lines.append(f"- Same recipe and budget for all: {recipes[0]}")
+    else:
+        lines += [f"- Recipe: {recipe}" for recipe in recipes]
+    lines += [
         "- PPL: exp of the per-token NLL (no smoothing) of the dev references, EOS included; best-dev-PPL "
         "checkpoint. BLEU/chrF: sacrebleu on the 1,500 test pairs, detokenised with SentencePiece"
-        + (f" (`{ev_any['bleu_signature']}`, `{ev_any['chrf_signature']}`)" if ev_any else "") + ".",
+        + "".join(sorted({f" ({r['signatures']})" for r in rows if r.get("signatures")})) + ".",
+        "- Train time: wall clock of the whole run; `trained` says whether the run had the 2 cores to itself or "
+        "shared them with other runs: compare train times only between rows trained alike.",
         "- Inference time: PyTorch decoding of the 1,500 test sources with the key/value cache, batches of "
-        f"{ev_any['batch_size'] if ev_any else '?'} sentences sorted by length, "
-        f"{ev_any['threads'] if ev_any else '?'} thread(s).",
+        "64 sentences sorted by length (`translate-eval --batch-size 64`), thread count per row.",
         "",
-        "| model | PPL (dev) | BLEU (test) | chrF (test) | train time | inference time (test) |",
-        "|---|---|---|---|---|---|",
-        *rows,
-        "",
-        *notes,
-        "",
+        "| model | PPL (dev) | BLEU (test) | chrF (test) | train time | trained | inference time (test) | measured |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    for r in rows:
+        inference = "–"
+        if r.get("beam"):
+            inference = (f"beam {r['beam']}: {r['decode_s']} s ({r['decode_ms_per_sentence']} ms/sentence, "
+                         f"{r['eval_threads']} thread)")  # fmt: skip
+        lines.append(
+            f"| {r['model']} | {cell(r, 'ppl_dev')} | {cell(r, 'bleu')} | {cell(r, 'chrf')} | {r['train_min']} min "
+            f"({r['steps']} steps) | {r['trained']} | {inference} | {r['measured']} |"
+        )
+    lines += ["", *sorted({f"- `runs/{r['run']}`: {int(r['parameters']):,} parameters, test PPL "
+                           f"{cell(r, 'ppl_test')}" for r in rows}), ""]  # fmt: skip
     lines += bundle_lines(args.out.parent)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
