@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += run_rows(run, args.trained)
     # the full-attention-over-the-source Linformers next to the Transformer, the compressed ones after
     rows.sort(key=lambda r: ("k_cross" in r["model"], r["model"] == "Transformer", r["model"], int(r.get("beam") or 0)))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with table.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
         writer.writeheader()
@@ -163,7 +164,6 @@ def main(argv: list[str] | None = None) -> None:
     lines += ["", *sorted({f"- `runs/{r['run']}`: {int(r['parameters']):,} parameters, test PPL "
                            f"{cell(r, 'ppl_test')}" for r in rows}), ""]  # fmt: skip
     lines += bundle_lines(args.out.parent)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
 
