@@ -57,8 +57,9 @@ def bundle_lines(results: Path) -> list[str]:
     return [*lines, "", "Cache benchmark details: `decode-cache-<bundle>.md` (command, machine, versions).", ""]
 
 
-COLUMNS = ["run", "model", "ppl_dev", "ppl_test", "parameters", "beam", "bleu", "chrf", "train_min", "steps", "trained",
-           "decode_s", "decode_ms_per_sentence", "eval_threads", "measured", "recipe", "signatures"]  # fmt: skip
+COLUMNS = ["run", "kind", "model", "ppl_dev", "ppl_test", "parameters", "beam", "bleu", "chrf", "train_min", "train_s",
+           "steps", "trained", "decode_s", "decode_ms_per_sentence", "eval_threads", "measured", "recipe",
+           "signatures"]  # fmt: skip
 
 
 def recipe(cfg: dict, train: dict) -> str:
@@ -82,7 +83,8 @@ def run_rows(run: Path, trained: str | None) -> list[dict]:
     common = {
         "run": run.name, "model": describe(summary["model_config"]), "ppl_dev": round(summary["dev"]["ppl"], 2),
         "ppl_test": round(summary["test"]["ppl"], 2), "parameters": summary["parameters"],
-        "train_min": round(summary["train_wall_s"] / 60, 1), "steps": summary["steps"],
+        "train_min": round(summary["train_wall_s"] / 60, 1), "train_s": summary["train_wall_s"],
+        "steps": summary["steps"],
         "trained": trained or f"{threads} torch thread(s)",
         "recipe": recipe(summary["model_config"], summary["train_config"]),
         "measured": dt.datetime.fromtimestamp((run / "summary.json").stat().st_mtime, dt.timezone.utc).date(),
@@ -107,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("runs", type=Path, nargs="*")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "translate.md")
     parser.add_argument("--trained", help='how the given runs shared the machine, e.g. "alone, 2 threads"')
+    parser.add_argument("--timing", action="store_true",
+                        help="the given runs are short runs that time training only (their own table)")
     args = parser.parse_args(argv)
 
     # Rows of runs not given here are kept from the earlier CSV: runs/ is not in git, the results are.
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     earlier = list(csv.DictReader(table.open())) if table.exists() else []
     rows = [r for r in earlier if r["run"] not in given]
     for run in args.runs:
-        rows += run_rows(run, args.trained)
+        rows += [{**row, "kind": "timing" if args.timing else "result"} for row in run_rows(run, args.trained)]
     # the full-attention-over-the-source Linformers next to the Transformer, the compressed ones after
     rows.sort(key=lambda r: ("k_cross" in r["model"], r["model"] == "Transformer", r["model"], int(r.get("beam") or 0)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -152,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         "| model | PPL (dev) | BLEU (test) | chrF (test) | train time | trained | inference time (test) | measured |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    timing = [r for r in rows if r.get("kind") == "timing"]
+    rows = [r for r in rows if r.get("kind") != "timing"]
     for r in rows:
         inference = "–"
         if r.get("beam"):
@@ -161,6 +167,14 @@ def main(argv: list[str] | None = None) -> None:
             f"| {r['model']} | {cell(r, 'ppl_dev')} | {cell(r, 'bleu')} | {cell(r, 'chrf')} | {r['train_min']} min "
             f"({r['steps']} steps) | {r['trained']} | {inference} | {r['measured']} |"
         )
+    if timing:
+        lines += ["", "Training speed on equal terms: short runs of the same recipe, each alone on the machine, "
+                  "over the same first batches (same seed and data), timing training only:", "",
+                  "| model | steps | wall time | s/step | trained | measured |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['model']} | {r['steps']} | {float(r['train_s']):.0f} s | "
+                  f"{float(r['train_s']) / int(r['steps']):.3f} | {r['trained']} | {r['measured']} |"
+                  for r in timing]  # fmt: skip
     lines += ["", *sorted({f"- `runs/{r['run']}`: {int(r['parameters']):,} parameters, test PPL "
                            f"{cell(r, 'ppl_test')}" for r in rows}), ""]  # fmt: skip
     lines += bundle_lines(args.out.parent)

@@ -49,3 +49,13 @@ def test_a_later_run_adds_its_rows_and_a_rerun_replaces_its_own(tmp_path):
     markdown = out.read_text()
     assert "| Linformer k=32, full cross-attention | 35.0 | 11.0 |" in markdown
     assert "Same recipe and budget for all: d_model 128" in markdown and "(`nrefs:1|bleu`" in markdown
+
+
+def test_timing_runs_get_their_own_table(tmp_path):
+    out = tmp_path / "translate.md"
+    results(out, str(fake_run(tmp_path / "a", "translate-transformer", {**CONFIG, "attention": "transformer"}, 10.0)))
+    rows = results(out, str(fake_run(tmp_path / "b", "timing-k32", CONFIG, 0.1)), "--timing", "--trained", "alone")
+    assert [r["kind"] for r in rows] == ["timing", "result"]
+    markdown = out.read_text()
+    assert "| Linformer k=32, full cross-attention | 3000 | 1500 s | 0.500 | alone |" in markdown
+    assert "| Linformer k=32, full cross-attention | 35.0 | 0.1 |" not in markdown  # not among the results
