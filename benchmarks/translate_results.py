@@ -62,6 +62,10 @@ COLUMNS = ["run", "kind", "model", "ppl_dev", "ppl_test", "parameters", "beam", 
            "signatures"]  # fmt: skip
 
 
+def mtime(path: Path) -> str:
+    return dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def recipe(cfg: dict, train: dict) -> str:
     return (
         f"d_model {cfg['d_model']}, {cfg['n_layers']}+{cfg['n_decoder_layers']} layers, {cfg['n_heads']} heads, "
@@ -87,20 +91,20 @@ def run_rows(run: Path, trained: str | None) -> list[dict]:
         "steps": summary["steps"],
         "trained": trained or f"{threads} torch thread(s)",
         "recipe": recipe(summary["model_config"], summary["train_config"]),
-        "measured": dt.datetime.fromtimestamp((run / "summary.json").stat().st_mtime, dt.timezone.utc).date(),
+        "measured": mtime(run / "summary.json"),
     }  # fmt: skip
     evaluations = sorted(
-        (json.loads(p.read_text()) for p in run.glob("eval-test-beam*.json") if "first" not in p.name),
-        key=lambda e: e["beam_size"],
+        ((json.loads(p.read_text()), p) for p in run.glob("eval-test-beam*.json") if "first" not in p.name),
+        key=lambda pair: pair[0]["beam_size"],
     )
     if not evaluations:
         return [common]
     return [
         {**common, "beam": ev["beam_size"], "bleu": round(ev["bleu"], 2), "chrf": round(ev["chrf"], 2),
          "decode_s": round(ev["decode_s"], 1), "decode_ms_per_sentence": round(ev["decode_ms_per_sentence"], 1),
-         "eval_threads": ev["threads"],
+         "eval_threads": ev["threads"], "measured": mtime(path),
          "signatures": f"`{ev['bleu_signature']}`, `{ev['chrf_signature']}`"}  # fmt: skip
-        for ev in evaluations
+        for ev, path in evaluations
     ]
 
 
@@ -151,7 +155,9 @@ def main(argv: list[str] | None = None) -> None:
         "- Train time: wall clock of the whole run; `trained` says whether the run had the 2 cores to itself or "
         "shared them with other runs: compare train times only between rows trained alike.",
         "- Inference time: PyTorch decoding of the 1,500 test sources with the key/value cache, batches of "
-        "64 sentences sorted by length (`translate-eval --batch-size 64`), thread count per row.",
+        "64 sentences sorted by length (`translate-eval --batch-size 64`), thread count per row. `measured` is when "
+        "the evaluation ran: the machine's speed varied between sessions (the same ONNX model ran about 2x slower "
+        "after 07:00 UTC than before), so compare inference times only between rows measured together.",
         "",
         "| model | PPL (dev) | BLEU (test) | chrF (test) | train time | trained | inference time (test) | measured |",
         "|---|---|---|---|---|---|---|---|",
