@@ -210,6 +210,24 @@ def to_row(label: str, n: int, users: int, stats: dict) -> dict:
 MODEL_LEVEL = "table3-served-mean"  # the served classify-linformer: k = 128, mean pooling
 
 
+def time_bundles(args: argparse.Namespace, n: int) -> dict[str, float]:
+    """label -> the served classify bundle's median session.run at batch 1 and length n, in ms, timed in
+    rotating rounds in a process pinned and threaded like the spawned servers, just before that n's load.
+
+    Table 3 ran minutes or hours earlier, on random-initialised copies and 9 rounds; this machine's speed
+    drifts by tens of percent over minutes, so the e2e/model share compares with this measurement."""
+    bundles = {label: args.models_dir / f"classify-{label}" for label in args.labels}
+    paths = {label: str(bundle / "model.onnx") for label, bundle in bundles.items()}
+    vocab = min(json.loads((b / "config.json").read_text())["model_config"]["vocab_size"] for b in bundles.values())
+    command = [sys.executable, "-m", "loadtest.table3", "time", str(n), str(args.threads),
+               str(args.model_seconds), str(vocab), *paths.values()]  # fmt: skip
+    if args.server_cpus:
+        command = ["taskset", "-c", args.server_cpus, *command]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=True)
+    timed = json.loads(done.stdout.strip().splitlines()[-1])
+    return {label: timed[path]["ms"] for label, path in paths.items()}
+
+
 def model_level_speedups() -> dict[int, float]:
     """n -> Table 3 speedup (served size, k = 128, the served projection) when loadtest.table3 has written it."""
     path = RESULTS / f"{MODEL_LEVEL}.csv"
@@ -247,8 +265,13 @@ def comparison_rows(
             row["speedup_mean"] = round(b["mean_ms"] / a["mean_ms"], 2) if a["mean_ms"] and b["mean_ms"] else None
             rps = a["requests_per_s"] / b["requests_per_s"] if b["requests_per_s"] else None
             row["throughput_ratio"] = None if rps is None else round(rps, 2)
-            row["model_level_speedup"] = model_level.get(n)
-            share = row["speedup_p50"] / model_level[n] if n in model_level and row["speedup_p50"] else None
+            row["table3_speedup"] = model_level.get(n)
+            if a.get("model_ms") and b.get("model_ms"):  # timed by this sweep just before the load
+                row["model_level_speedup"] = round(b["model_ms"] / a["model_ms"], 2)
+            else:
+                row["model_level_speedup"] = model_level.get(n)
+            reference = row["model_level_speedup"]
+            share = row["speedup_p50"] / reference if reference and row["speedup_p50"] else None
             row["e2e_over_model"] = None if share is None else round(share, 2)
             table.append(row)
     return table
@@ -296,8 +319,12 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
         f"speedup = {slow} latency / {fast} latency (speedup mean: of the mean latencies); "
         f"throughput = {fast} req/s / {slow} req/s"
         + (
-            f"; model-level = loadtest/results/{MODEL_LEVEL}.md (k = 128 as served, batch 1), "
-            "e2e/model = speedup p50 / model-level."
+            f"; Table 3 = loadtest/results/{MODEL_LEVEL}.md (k = 128 as served, batch 1, random-initialised "
+            "copies); model-level (now) = the served bundles' median `session.run` at batch 1 and length n, timed "
+            "in rotating rounds by this sweep just before that length's runs, pinned and threaded like the servers "
+            f"({args.model_seconds:g} s per length; Table 3's figure where the sweep did not time them); "
+            "e2e/model = speedup p50 / model-level (now). The machine's speed drifts over minutes, so the share "
+            "is taken against a measurement made at the same time."
             if args.task == "classify"
             else "."
         ),
@@ -312,7 +339,8 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
     columns |= {"speedup_p50": "speedup p50", "speedup_p95": "speedup p95", "speedup_mean": "speedup mean",
                 "throughput_ratio": "throughput ratio"}  # fmt: skip
     if args.task == "classify":  # Table 3 is the classifier's
-        columns |= {"model_level_speedup": "model-level speedup", "e2e_over_model": "e2e / model"}
+        columns |= {"table3_speedup": "Table 3 speedup", "model_level_speedup": "model-level speedup (now)",
+                    "e2e_over_model": "e2e / model"}  # fmt: skip
     for users in sorted({r["users"] for r in table}):
         lines += [f"## {users} user{'s' if users > 1 else ''}", ""]
         lines += markdown_table([r for r in table if r["users"] == users], columns) + [""]
@@ -394,6 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="ORT intra-op threads of spawned servers")
     parser.add_argument("--server-cpus", help="taskset core list for spawned servers (default: 1 with --spawn)")
     parser.add_argument("--client-cpus", help="taskset core list for locust (default: 0 with --spawn)")
+    parser.add_argument("--model-seconds", type=float, default=10,
+                        help="classify with --spawn: seconds per length timing both bundles' session.run alone")
     parser.add_argument("--suffix", default="", help="appended to the results' file names")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default loadtest/results)")
     args = parser.parse_args(argv)
@@ -419,6 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         info = {label: {"base": base, "model": describe(base, args.task)} for label, base in hosts.items()}
         for i, n in enumerate(lengths):
             order = args.labels if i % 2 == 0 else args.labels[::-1]
+            model_ms = time_bundles(args, n) if args.task == "classify" and args.spawn else {}
             for users in args.users:
                 for label in order:
                     seen, generated = warm_up(hosts[label], args.task, n, args.warmup)
@@ -426,6 +457,8 @@ def main(argv: list[str] | None = None) -> None:
                         raise RuntimeError(f"{label} saw {seen} tokens for texts of {n}: tokenizer mismatch?")
                     stats = run_locust(args, hosts[label], n, users, raw / f"locust_{label}_n{n}_u{users}")
                     rows.append(to_row(label, n, users, stats))
+                    if label in model_ms:
+                        rows[-1]["model_ms"] = round(model_ms[label], 3)
                     if generated:
                         rows[-1]["warmup_output_tokens"] = round(statistics.mean(generated), 1)
                     print(json.dumps(rows[-1]), flush=True)

@@ -89,11 +89,11 @@ def export_models(size: str, ks: list[int], n_max: int, projection: str) -> dict
     return models
 
 
-def random_feeds(n: int, batch: int, seed: int = 0) -> dict:
+def random_feeds(n: int, batch: int, seed: int = 0, vocab: int = VOCAB) -> dict:
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    ids = rng.integers(4, VOCAB, size=(batch, n), dtype=np.int64)
+    ids = rng.integers(4, vocab, size=(batch, n), dtype=np.int64)
     return {"input_ids": ids, "attention_mask": np.ones_like(ids)}
 
 
@@ -106,10 +106,12 @@ def session(path: Path, threads: int):
 # ---- time ----
 
 
-def time_models(models: dict[str, dict], n: int, threads: int, reps: int, min_reps: int, budget_s: float) -> dict:
+def time_models(
+    models: dict[str, dict], n: int, threads: int, reps: int, min_reps: int, budget_s: float, vocab: int = VOCAB
+) -> dict:
     """label -> {"ms": median, "runs": count}, from rounds of one run per model in rotating order."""
     sessions = {label: session(m["path"], threads) for label, m in models.items()}
-    feeds = random_feeds(n, 1)
+    feeds = random_feeds(n, 1, vocab=vocab)
     for s in sessions.values():  # warm-up: first-run allocations and kernel selection
         s.run(None, feeds)
     labels, times = list(sessions), {label: [] for label in sessions}
@@ -352,6 +354,11 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["probe"]:  # internal: one memory measurement in this fresh process
         model, n, batch, threads, *budget = argv[1:]
         print(json.dumps(probe(Path(model), int(n), int(batch), int(threads), int(budget[0]) if budget else None)))
+        return
+    if argv[:1] == ["time"]:  # internal: batch-1 medians of models in rotating rounds (used by loadtest.sweep)
+        n, threads, seconds, vocab, *paths = argv[1:]
+        models = {path: {"path": Path(path)} for path in paths}
+        print(json.dumps(time_models(models, int(n), int(threads), 10_000, 20, float(seconds), int(vocab))))
         return
     parser = argparse.ArgumentParser(prog="python -m loadtest.table3", description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=[*SIZES, "both"], default="served")

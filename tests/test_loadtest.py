@@ -106,10 +106,14 @@ def test_sweep_report_has_a_speedup_per_length(tmp_path):
 
     rows = [sweep_row("linformer", 1024, 1, 20.0, 50.0), sweep_row("transformer", 1024, 1, 60.0, 16.0),
             sweep_row("linformer", 4096, 1, 50.0, 20.0), sweep_row("transformer", 4096, 1, 400.0, 2.5)]  # fmt: skip
-    table = sweep.comparison_rows(rows, ("linformer", "transformer"))
+    rows[0]["model_ms"], rows[1]["model_ms"] = 10.0, 40.0  # timed by the sweep at n = 1024 only
+    table = sweep.comparison_rows(rows, ("linformer", "transformer"), {1024: 3.5, 4096: 9.0})
     assert [(r["n"], r["speedup_p50"], r["throughput_ratio"]) for r in table] == [(1024, 3.0, 3.12), (4096, 8.0, 8.0)]
+    # the share is taken against the same-time timing where there is one, else against Table 3
+    assert [(r["table3_speedup"], r["model_level_speedup"], r["e2e_over_model"]) for r in table] == [
+        (3.5, 4.0, 0.75), (9.0, 9.0, 0.89)]
     args = argparse.Namespace(task="classify", labels=["linformer", "transformer"], out=tmp_path, suffix="",
-                              spawn=False, duration="5s", warmup=1)  # fmt: skip
+                              spawn=False, duration="5s", warmup=1, model_seconds=10)  # fmt: skip
     info = {"linformer": {"base": "http://a", "model": "m1"}, "transformer": {"base": "http://b", "model": "m2"}}
     stem = sweep.write_report(args, rows, info, "0 / 0 / 0")
     markdown = stem.with_suffix(".md").read_text()
@@ -208,7 +212,8 @@ def test_sweep_spawns_both_deployments_and_writes_the_report(tmp_path):
            "LOADTEST_CLASSIFY_DATA": str(tiny_reviews(tmp_path / "reviews.tsv"))}  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "loadtest.sweep", "--spawn", "--models-dir", str(models), "--lengths", "16,64",
-         "--users", "1", "--duration", "2s", "--warmup", "1", "--out", str(tmp_path / "results")],
+         "--users", "1", "--duration", "2s", "--warmup", "1", "--model-seconds", "1",
+         "--out", str(tmp_path / "results")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -217,6 +222,7 @@ def test_sweep_spawns_both_deployments_and_writes_the_report(tmp_path):
     expected = {(d, n) for d in ("linformer", "transformer") for n in ("16", "64")}
     assert {(r["deployment"], r["n"]) for r in rows} == expected
     assert all(int(r["requests"]) > 0 and int(r["failures"]) == 0 for r in rows)
+    assert all(float(r["model_ms"]) > 0 for r in rows)  # both bundles timed alone at each length
     # every request timed; Locust's CSV is rewritten once a second, so its count may miss the last one
     exact = [int(re.fullmatch(r"exact \((\d+) requests\)", r["percentiles"]).group(1)) for r in rows]
     assert all(timed >= int(r["requests"]) for timed, r in zip(exact, rows, strict=True))
