@@ -181,6 +181,23 @@ def run_locust(args: argparse.Namespace, base: str, n: int, users: int, prefix: 
     return {**rows[0], "exact": exact}
 
 
+def merge_runs(runs: list[dict]) -> dict:
+    """One deployment's rounds at one (n, users) as one run: counts add up, requests/s is the mean of the
+    rounds', exact times pool (Locust's rounded percentiles are the first round's, used only without them)."""
+    if len(runs) == 1:
+        return runs[0]
+    total = sum(int(r["Request Count"]) for r in runs)
+    mean = sum(float(r["Average Response Time"]) * int(r["Request Count"]) for r in runs) / max(total, 1)
+    return {
+        **runs[0],
+        "Request Count": total,
+        "Failure Count": sum(int(r["Failure Count"]) for r in runs),
+        "Requests/s": statistics.mean(float(r["Requests/s"]) for r in runs),
+        "Average Response Time": mean,
+        "exact": [ms for r in runs for ms in r.get("exact") or []],
+    }
+
+
 def to_row(label: str, n: int, users: int, stats: dict) -> dict:
     def number(key: str) -> float | None:
         value = stats.get(key, "")
@@ -304,9 +321,11 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
         "Deployments as they describe themselves (GET /v1/models): "
         + "; ".join(f"{label} at {v['base']}: {v['model']}" for label, v in info.items()),
         "",
-        f"Load: one headless Locust run per (n, users, deployment): {USER_CLASS[args.task]}, closed loop (each "
-        f"user keeps one request in flight, no think time), {args.duration} per run after {args.warmup} "
-        f"sequential warm-up requests; deployments alternate order between lengths. Each request is one "
+        f"Load: {args.rounds} headless Locust run(s) per (n, users, deployment), pooled: {USER_CLASS[args.task]}, "
+        f"closed loop (each user keeps one request in flight, no think time), {args.duration} per run after "
+        f"{args.warmup} sequential warm-up requests; the two deployments take turns, in alternating order, "
+        f"round by round{', each round after timing both bundles' if args.task == 'classify' and args.spawn else ''}. "
+        "Each request is one "
         + (
             "held-out IMDB test review text of exactly n tokens; the service's reported token count is checked "
             "on every reply. "
@@ -416,6 +435,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--users", default="1,4", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--duration", default="30s", help="Locust --run-time of each run")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs per (n, users, deployment), alternating deployments; their results pool")
     parser.add_argument("--warmup", type=int, default=3, help="sequential requests before each run")
     parser.add_argument("--spawn", action="store_true", help="start both deployments as local processes")
     parser.add_argument("--models-dir", type=Path, default=REPO / "models")
@@ -448,19 +469,28 @@ def main(argv: list[str] | None = None) -> None:
                 wait_ready(base, timeout_s=30)
         info = {label: {"base": base, "model": describe(base, args.task)} for label, base in hosts.items()}
         for i, n in enumerate(lengths):
-            order = args.labels if i % 2 == 0 else args.labels[::-1]
-            model_ms = time_bundles(args, n) if args.task == "classify" and args.spawn else {}
             for users in args.users:
-                for label in order:
-                    seen, generated = warm_up(hosts[label], args.task, n, args.warmup)
-                    if any(tokens != n for tokens in seen):
-                        raise RuntimeError(f"{label} saw {seen} tokens for texts of {n}: tokenizer mismatch?")
-                    stats = run_locust(args, hosts[label], n, users, raw / f"locust_{label}_n{n}_u{users}")
-                    rows.append(to_row(label, n, users, stats))
-                    if label in model_ms:
-                        rows[-1]["model_ms"] = round(model_ms[label], 3)
-                    if generated:
-                        rows[-1]["warmup_output_tokens"] = round(statistics.mean(generated), 1)
+                runs: dict[str, list[dict]] = {label: [] for label in args.labels}
+                model_ms: dict[str, list[float]] = {label: [] for label in args.labels}
+                generated: dict[str, list[int]] = {label: [] for label in args.labels}
+                for r in range(args.rounds):  # short alternating rounds: the machine's drift hits both alike
+                    order = args.labels if (i + r) % 2 == 0 else args.labels[::-1]
+                    if args.task == "classify" and args.spawn:
+                        for label, ms in time_bundles(args, n).items():
+                            model_ms[label].append(ms)
+                    for label in order:
+                        seen, output_tokens = warm_up(hosts[label], args.task, n, args.warmup)
+                        if any(tokens != n for tokens in seen):
+                            raise RuntimeError(f"{label} saw {seen} tokens for texts of {n}: tokenizer mismatch?")
+                        generated[label] += output_tokens
+                        prefix = raw / f"locust_{label}_n{n}_u{users}_r{r}"
+                        runs[label].append(run_locust(args, hosts[label], n, users, prefix))
+                for label in args.labels:
+                    rows.append(to_row(label, n, users, merge_runs(runs[label])))
+                    if model_ms[label]:
+                        rows[-1]["model_ms"] = round(statistics.mean(model_ms[label]), 3)
+                    if generated[label]:
+                        rows[-1]["warmup_output_tokens"] = round(statistics.mean(generated[label]), 1)
                     print(json.dumps(rows[-1]), flush=True)
     stem = write_report(args, rows, info, load_before)
     speedups = [r["speedup_p50"] for r in comparison_rows(rows, tuple(args.labels)) if r["speedup_p50"]]

@@ -113,7 +113,7 @@ def test_sweep_report_has_a_speedup_per_length(tmp_path):
     assert [(r["table3_speedup"], r["model_level_speedup"], r["e2e_over_model"]) for r in table] == [
         (3.5, 4.0, 0.75), (9.0, 9.0, 0.89)]
     args = argparse.Namespace(task="classify", labels=["linformer", "transformer"], out=tmp_path, suffix="",
-                              spawn=False, duration="5s", warmup=1, model_seconds=10)  # fmt: skip
+                              spawn=False, duration="5s", warmup=1, model_seconds=10, rounds=1)  # fmt: skip
     info = {"linformer": {"base": "http://a", "model": "m1"}, "transformer": {"base": "http://b", "model": "m2"}}
     stem = sweep.write_report(args, rows, info, "0 / 0 / 0")
     markdown = stem.with_suffix(".md").read_text()
@@ -212,7 +212,7 @@ def test_sweep_spawns_both_deployments_and_writes_the_report(tmp_path):
            "LOADTEST_CLASSIFY_DATA": str(tiny_reviews(tmp_path / "reviews.tsv"))}  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "loadtest.sweep", "--spawn", "--models-dir", str(models), "--lengths", "16,64",
-         "--users", "1", "--duration", "2s", "--warmup", "1", "--model-seconds", "1",
+         "--users", "1", "--duration", "2s", "--rounds", "2", "--warmup", "1", "--model-seconds", "1",
          "--out", str(tmp_path / "results")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
