@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         f"- Command: `python {' '.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}` "
         f"(rows of runs not named there are kept from `{table.name}`, with the date each was measured).",
     ]
+    timing = [r for r in rows if r.get("kind") == "timing"]
+    rows = [r for r in rows if r.get("kind") != "timing"]
     recipes = sorted({r["recipe"] for r in rows if r.get("recipe")})
     if len(recipes) == 1:
         lines.append(f"- Same recipe and budget for all: {recipes[0]}")
@@ -162,8 +164,6 @@ def main(argv: list[str] | None = None) -> None:
         "| model | PPL (dev) | BLEU (test) | chrF (test) | train time | trained | inference time (test) | measured |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    timing = [r for r in rows if r.get("kind") == "timing"]
-    rows = [r for r in rows if r.get("kind") != "timing"]
     for r in rows:
         inference = "–"
         if r.get("beam"):
@@ -174,8 +174,9 @@ def main(argv: list[str] | None = None) -> None:
             f"({r['steps']} steps) | {r['trained']} | {inference} | {r['measured']} |"
         )
     if timing:
-        lines += ["", "Training speed on equal terms: short runs of the same recipe, each alone on the machine, "
-                  "over the same first batches (same seed and data), timing training only:", "",
+        lines += ["", "Training speed on equal terms: short runs of the same recipe (but for the step count), each "
+                  "alone on the machine, over the same first batches (same seed and data), timing training only:",
+                  "",
                   "| model | steps | wall time | s/step | trained | measured |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
         lines += [f"| {r['model']} | {r['steps']} | {float(r['train_s']):.0f} s | "

@@ -229,7 +229,7 @@ MODEL_LEVEL = "table3-served-mean"  # the served classify-linformer: k = 128, me
 
 def time_bundles(args: argparse.Namespace, n: int) -> dict[str, float]:
     """label -> the served classify bundle's median session.run at batch 1 and length n, in ms, timed in
-    rotating rounds in a process pinned and threaded like the spawned servers, just before that n's load.
+    rotating rounds in a process pinned and threaded like the spawned servers, just before a round of load.
 
     Table 3 ran minutes or hours earlier, on random-initialised copies and 9 rounds; this machine's speed
     drifts by tens of percent over minutes, so the e2e/model share compares with this measurement."""
@@ -340,8 +340,9 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
         + (
             f"; Table 3 = loadtest/results/{MODEL_LEVEL}.md (k = 128 as served, batch 1, random-initialised "
             "copies); model-level (now) = the served bundles' median `session.run` at batch 1 and length n, timed "
-            "in rotating rounds by this sweep just before that length's runs, pinned and threaded like the servers "
-            f"({args.model_seconds:g} s per length; Table 3's figure where the sweep did not time them); "
+            "in rotating rounds by this sweep before each round of runs, pinned and threaded like the servers "
+            f"({args.model_seconds:g} s each time, averaged over the rounds; Table 3's figure where the sweep did "
+            "not time them); "
             "e2e/model = speedup p50 / model-level (now). The machine's speed drifts over minutes, so the share "
             "is taken against a measurement made at the same time."
             if args.task == "classify"
@@ -444,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--server-cpus", help="taskset core list for spawned servers (default: 1 with --spawn)")
     parser.add_argument("--client-cpus", help="taskset core list for locust (default: 0 with --spawn)")
     parser.add_argument("--model-seconds", type=float, default=10,
-                        help="classify with --spawn: seconds per length timing both bundles' session.run alone")
+                        help="classify with --spawn: seconds timing both bundles' session.run alone, per round")
     parser.add_argument("--suffix", default="", help="appended to the results' file names")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default loadtest/results)")
     args = parser.parse_args(argv)
