@@ -95,12 +95,15 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
     cfg, train = saved["model_config"], saved["train_config"]
     if cfg["attention"] == "linformer":
         init = " initialised as mean pooling over n_max/k positions" if cfg.get("projection_init") == "mean" else ""
-        cross = ("full cross-attention over the source" if cfg.get("cross_attention") == "transformer"
+        full_cross = cfg.get("cross_attention") == "transformer"
+        cross = ("full cross-attention over the source" if full_cross
                  else f"Linformer-compressed cross-attention (k_cross={cfg['k_cross']})")  # fmt: skip
         encoder = f"Linformer encoder (k={cfg['k']}, {cfg['sharing']} sharing, {cfg['projection']} projection{init})"
         kind = f"{encoder}, {cross}"
+        flags = f" --k {cfg['k']} " + ("--cross-attention transformer" if full_cross else f"--k-cross {cfg['k_cross']}")
     else:
         kind = "vanilla Transformer (full softmax attention in the encoder and the cross-attention)"
+        flags = ""
     counts = meta.get("counts", {})
     packages = meta.get("package_versions", {})
     budget = f"{train['max_steps']} steps" if train.get("max_steps") else f"{train['epochs']} epochs"
@@ -133,10 +136,7 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
         f"lr {train['lr']}, {train['warmup_steps']} warm-up steps then cosine decay, gradient clipping "
         f"{train['clip_norm']}, batches of at most {train['max_tokens']} padded tokens (bucketed by max(source, "
         f"target) length), {budget}, seed {train['seed']}; best checkpoint by dev perplexity.",
-        f"- Command: `python -m training translate --attention {cfg['attention']}"
-        + (f" --k {cfg['k']}" if cfg["attention"] == "linformer" else "")
-        + (f" --k-cross {cfg['k_cross']}" if cfg["cross_attention"] == "linformer" and cfg["attention"] == "linformer"
-           else " --cross-attention transformer" if cfg["attention"] == "linformer" else "")
+        f"- Command: `python -m training translate --attention {cfg['attention']}{flags}"
         + (" --projection-init mean" if cfg.get("projection_init") == "mean" else "")
         + f" --d-model {cfg['d_model']} --n-heads {cfg['n_heads']} --n-layers {cfg['n_layers']}"
         f" --n-decoder-layers {cfg['n_decoder_layers']} --d-ff {cfg['d_ff']} --epochs {train['epochs']}"
