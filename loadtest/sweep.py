@@ -7,8 +7,11 @@
 For each length n (and each user count), every deployment gets one headless Locust run of ClassifyUser
 (or TranslateUser) with a fixed number of closed-loop users for a fixed time, sending texts of exactly
 n tokens. Deployments alternate their order from one length to the next, and each run is preceded
-by a few sequential warm-up requests. Then loadtest/results/sweep-<task>.{csv,md,png}: p50, p95, p99
-and requests/s per n and deployment, and the Linformer/Transformer speedup per n.
+by a few sequential warm-up requests. With one user (classify), one PairedClassifyUser run sends each
+text to both deployments in turn instead (--no-paired: one run each): the machine's speed drifts by
+several percent from one second to the next, and a paired run exposes both to the same drift.
+Then loadtest/results/sweep-<task>.{csv,md,png}: p50, p95, p99 and requests/s per n and deployment,
+and the Linformer/Transformer speedup per n.
 
 --spawn starts two `python -m service` processes with identical LINFORMER_* settings that differ
 only in the bundle (LINFORMER_CLASSIFY_MODEL=classify-linformer / classify-transformer), both pinned
@@ -154,12 +157,16 @@ def warm_up(base: str, task: str, n: int, requests: int) -> tuple[list[int], lis
     return seen, generated
 
 
-def run_locust(args: argparse.Namespace, base: str, n: int, users: int, prefix: Path) -> dict:
-    """One headless Locust run at one length; returns that length's row of Locust's stats CSV."""
-    command = ["locust", "-f", str(Path(__file__).parent / f"{args.task}.py"), USER_CLASS[args.task],
-               "--headless", "-u", str(users), "-r", str(users), "-t", args.duration, "--host", base,
-               "--csv", str(prefix), "--only-summary", "--loglevel", "WARNING", "--exit-code-on-error", "0",
-               "--stop-timeout", "60"]  # fmt: skip
+def run_locust(args: argparse.Namespace, n: int, users: int, prefix: Path, hosts: dict[str, str]) -> dict[str, dict]:
+    """One headless Locust run at one length: against one deployment, or, given two, one PairedClassifyUser
+    sending each text to both. Returns each deployment's row of Locust's stats CSV, with its exact times."""
+    paired = len(hosts) > 1
+    user_class = "PairedClassifyUser" if paired else USER_CLASS[args.task]
+    names = {label: f"/{args.task} n={n}" + (f" {label}" if paired else "") for label in hosts}
+    command = ["locust", "-f", str(Path(__file__).parent / f"{args.task}.py"), user_class,
+               "--headless", "-u", str(users), "-r", str(users), "-t", args.duration,
+               "--host", next(iter(hosts.values())), "--csv", str(prefix), "--only-summary",
+               "--loglevel", "WARNING", "--exit-code-on-error", "0", "--stop-timeout", "60"]  # fmt: skip
     locust = Path(sys.executable).with_name("locust")
     command[0] = str(locust) if locust.exists() else "locust"
     if args.client_cpus:
@@ -168,17 +175,24 @@ def run_locust(args: argparse.Namespace, base: str, n: int, users: int, prefix: 
     times.unlink(missing_ok=True)
     env = {**os.environ, LENGTHS_ENV[args.task]: str(n), "LINFORMER_MODELS_DIR": str(args.models_dir),
            "LOADTEST_RESPONSE_TIMES": str(times)}  # fmt: skip
+    if paired:
+        env["LOADTEST_PAIRED_HOSTS"] = ",".join(f"{label}={base}" for label, base in hosts.items())
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"locust failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    name = f"/{args.task} n={n}"
     with open(f"{prefix}_stats.csv", newline="") as f:
-        rows = [row for row in csv.DictReader(f) if row["Name"] == name]
-    if not rows:
-        raise RuntimeError(f"no '{name}' row in {prefix}_stats.csv:\n{done.stderr[-2000:]}")
-    exact = [float(ms) for line in times.read_text().splitlines() for label, ms in [line.rsplit(",", 1)]
-             if label == name] if times.exists() else []  # fmt: skip
-    return {**rows[0], "exact": exact}
+        stats = {row["Name"]: row for row in csv.DictReader(f)}
+    exact: dict[str, list[float]] = {name: [] for name in names.values()}
+    for line in times.read_text().splitlines() if times.exists() else []:
+        name, ms = line.rsplit(",", 1)
+        if name in exact:
+            exact[name].append(float(ms))
+    rows = {}
+    for label, name in names.items():
+        if name not in stats:
+            raise RuntimeError(f"no '{name}' row in {prefix}_stats.csv:\n{done.stderr[-2000:]}")
+        rows[label] = {**stats[name], "exact": exact[name]}
+    return rows
 
 
 def merge_runs(runs: list[dict]) -> dict:
@@ -280,16 +294,20 @@ def comparison_rows(
             row["speedup_p95"] = round(b["p95_ms"] / a["p95_ms"], 2) if a["p95_ms"] and b["p95_ms"] else None
             # Locust keeps whole milliseconds below 100 ms: at 4 vs 5 ms the mean is the finer ratio
             row["speedup_mean"] = round(b["mean_ms"] / a["mean_ms"], 2) if a["mean_ms"] and b["mean_ms"] else None
+            if a.get("p50_by_round_ms") and b.get("p50_by_round_ms"):  # how far single rounds scatter
+                by_round = zip(a["p50_by_round_ms"].split(), b["p50_by_round_ms"].split(), strict=True)
+                row["speedup_by_round"] = " / ".join(f"{float(y) / float(x):.2f}" for x, y in by_round)
             rps = a["requests_per_s"] / b["requests_per_s"] if b["requests_per_s"] else None
             row["throughput_ratio"] = None if rps is None else round(rps, 2)
             row["table3_speedup"] = model_level.get(n)
             if a.get("model_ms") and b.get("model_ms"):  # timed by this sweep just before the load
-                row["model_level_speedup"] = round(b["model_ms"] / a["model_ms"], 2)
+                reference = b["model_ms"] / a["model_ms"]
             else:
-                row["model_level_speedup"] = model_level.get(n)
-            reference = row["model_level_speedup"]
-            share = row["speedup_p50"] / reference if reference and row["speedup_p50"] else None
-            row["e2e_over_model"] = None if share is None else round(share, 2)
+                reference = model_level.get(n)
+            row["model_level_speedup"] = None if reference is None else round(reference, 2)
+            # from the unrounded ratios: 1.323 / 1.455 is 0.909, while 1.32 / 1.46 would print 0.90
+            share = b["p50_ms"] / a["p50_ms"] / reference if reference and a["p50_ms"] and b["p50_ms"] else None
+            row["e2e_over_model"] = None if share is None else round(share, 3)
             table.append(row)
     return table
 
@@ -321,11 +339,21 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
         "Deployments as they describe themselves (GET /v1/models): "
         + "; ".join(f"{label} at {v['base']}: {v['model']}" for label, v in info.items()),
         "",
-        f"Load: {args.rounds} headless Locust run(s) per (n, users, deployment), pooled: {USER_CLASS[args.task]}, "
-        f"closed loop (each user keeps one request in flight, no think time), {args.duration} per run after "
-        f"{args.warmup} sequential warm-up requests; the two deployments take turns, in alternating order, "
-        f"round by round{', each round after timing both bundles' if args.task == 'classify' and args.spawn else ''}. "
-        "Each request is one "
+        f"Load: {args.rounds} headless Locust run(s) per (n, users), pooled, closed loop (each user keeps one "
+        f"request in flight, no think time), {args.duration} per run after {args.warmup} sequential warm-up "
+        "requests to each deployment"
+        + (", each round after timing both bundles. " if args.task == "classify" and args.spawn else ". ")
+        + (
+            "With 1 user a run is one PairedClassifyUser over both deployments: each text goes to both, one "
+            "right after the other, in alternating order, so both answer under the same machine state request "
+            "by request (`runs` = paired in the CSV; its req/s is 1000 / mean latency, what that user would get "
+            f"from one deployment alone). With more users each deployment gets its own {USER_CLASS[args.task]} "
+            "run, and the two take turns, in alternating order, round by round. "
+            if args.paired and args.task == "classify"
+            else f"Each deployment gets its own {USER_CLASS[args.task]} run, and the two take turns, in "
+            "alternating order, round by round. "
+        )
+        + "Each request is one "
         + (
             "held-out IMDB test review text of exactly n tokens; the service's reported token count is checked "
             "on every reply. "
@@ -335,14 +363,15 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
         + "Percentiles are computed from every successful request's exact response time as Locust measured it "
         "(its own CSV, in the raw folder, rounds to whole ms below 100 ms and 2 significant digits above; a row "
         "whose `percentiles` column in the CSV says `locust (rounded)` had no exact times). "
-        f"speedup = {slow} latency / {fast} latency (speedup mean: of the mean latencies); "
+        f"speedup = {slow} latency / {fast} latency (speedup mean: of the mean latencies; by round: each "
+        "round's own p50 ratio, to show how far one round scatters); "
         f"throughput = {fast} req/s / {slow} req/s"
         + (
             f"; Table 3 = loadtest/results/{MODEL_LEVEL}.md (k = 128 as served, batch 1, random-initialised "
             "copies); model-level (now) = the served bundles' median `session.run` at batch 1 and length n, timed "
-            "in rotating rounds by this sweep before each round of runs, pinned and threaded like the servers "
-            f"({args.model_seconds:g} s each time, averaged over the rounds; Table 3's figure where the sweep did "
-            "not time them); "
+            "in rotating rounds by this sweep before each round of runs and after the last, pinned and threaded "
+            f"like the servers ({args.model_seconds:g} s each time, averaged over the {args.rounds + 1} timings; "
+            "Table 3's figure where the sweep did not time them); "
             "e2e/model = speedup p50 / model-level (now). The machine's speed drifts over minutes, so the share "
             "is taken against a measurement made at the same time."
             if args.task == "classify"
@@ -356,7 +385,8 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
                     f"{label}_p99_ms": f"{label} p99 ms", f"{label}_requests_per_s": f"{label} req/s"}  # fmt: skip
         if args.task == "translate":  # decoding time follows the output length: show it
             columns[f"{label}_output_tokens"] = f"{label} output tokens (warm-up mean)"
-    columns |= {"speedup_p50": "speedup p50", "speedup_p95": "speedup p95", "speedup_mean": "speedup mean",
+    columns |= {"speedup_p50": "speedup p50", "speedup_by_round": "speedup p50 by round",
+                "speedup_p95": "speedup p95", "speedup_mean": "speedup mean",
                 "throughput_ratio": "throughput ratio"}  # fmt: skip
     if args.task == "classify":  # Table 3 is the classifier's
         columns |= {"table3_speedup": "Table 3 speedup", "model_level_speedup": "model-level speedup (now)",
@@ -439,6 +469,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs per (n, users, deployment), alternating deployments; their results pool")
     parser.add_argument("--warmup", type=int, default=3, help="sequential requests before each run")
+    parser.add_argument("--paired", action=argparse.BooleanOptionalAction, default=True,
+                        help="classify, 1 user: one PairedClassifyUser run over both deployments per round "
+                             "(same texts, alternating request by request) instead of one run each")
     parser.add_argument("--spawn", action="store_true", help="start both deployments as local processes")
     parser.add_argument("--models-dir", type=Path, default=REPO / "models")
     parser.add_argument("--threads", type=int, default=1, help="ORT intra-op threads of spawned servers")
@@ -474,20 +507,35 @@ def main(argv: list[str] | None = None) -> None:
                 runs: dict[str, list[dict]] = {label: [] for label in args.labels}
                 model_ms: dict[str, list[float]] = {label: [] for label in args.labels}
                 generated: dict[str, list[int]] = {label: [] for label in args.labels}
+                paired = args.paired and users == 1 and args.task == "classify"
+                timed = args.task == "classify" and args.spawn
                 for r in range(args.rounds):  # short alternating rounds: the machine's drift hits both alike
                     order = args.labels if (i + r) % 2 == 0 else args.labels[::-1]
-                    if args.task == "classify" and args.spawn:
+                    if timed:
                         for label, ms in time_bundles(args, n).items():
                             model_ms[label].append(ms)
-                    for label in order:
-                        seen, output_tokens = warm_up(hosts[label], args.task, n, args.warmup)
-                        if any(tokens != n for tokens in seen):
-                            raise RuntimeError(f"{label} saw {seen} tokens for texts of {n}: tokenizer mismatch?")
-                        generated[label] += output_tokens
-                        prefix = raw / f"locust_{label}_n{n}_u{users}_r{r}"
-                        runs[label].append(run_locust(args, hosts[label], n, users, prefix))
+                    for group in [order] if paired else [[label] for label in order]:
+                        for label in group:
+                            seen, output_tokens = warm_up(hosts[label], args.task, n, args.warmup)
+                            if any(tokens != n for tokens in seen):
+                                raise RuntimeError(f"{label} saw {seen} tokens for texts of {n}: tokenizer mismatch?")
+                            generated[label] += output_tokens
+                        prefix = raw / f"locust_{'paired' if paired else group[0]}_n{n}_u{users}_r{r}"
+                        group_hosts = {label: hosts[label] for label in group}
+                        for label, run in run_locust(args, n, users, prefix, group_hosts).items():
+                            runs[label].append(run)
+                if timed:  # and once after the last round, so the timings bracket every run
+                    for label, ms in time_bundles(args, n).items():
+                        model_ms[label].append(ms)
                 for label in args.labels:
                     rows.append(to_row(label, n, users, merge_runs(runs[label])))
+                    rows[-1]["runs"] = "paired" if paired else "alone"
+                    if all(run.get("exact") for run in runs[label]):  # each round's own p50: the spread
+                        rows[-1]["p50_by_round_ms"] = " ".join(
+                            f"{statistics.median(run['exact']):.2f}" for run in runs[label]
+                        )
+                    if paired and rows[-1]["mean_ms"]:  # Locust's rate counts both deployments' turns
+                        rows[-1]["requests_per_s"] = round(1000 / rows[-1]["mean_ms"], 3)  # the user's alone
                     if model_ms[label]:
                         rows[-1]["model_ms"] = round(statistics.mean(model_ms[label]), 3)
                     if generated[label]:

@@ -111,9 +111,9 @@ def test_sweep_report_has_a_speedup_per_length(tmp_path):
     assert [(r["n"], r["speedup_p50"], r["throughput_ratio"]) for r in table] == [(1024, 3.0, 3.12), (4096, 8.0, 8.0)]
     # the share is taken against the same-time timing where there is one, else against Table 3
     assert [(r["table3_speedup"], r["model_level_speedup"], r["e2e_over_model"]) for r in table] == [
-        (3.5, 4.0, 0.75), (9.0, 9.0, 0.89)]
+        (3.5, 4.0, 0.75), (9.0, 9.0, 0.889)]
     args = argparse.Namespace(task="classify", labels=["linformer", "transformer"], out=tmp_path, suffix="",
-                              spawn=False, duration="5s", warmup=1, model_seconds=10, rounds=1)  # fmt: skip
+                              spawn=False, duration="5s", warmup=1, model_seconds=10, rounds=1, paired=True)  # fmt: skip
     info = {"linformer": {"base": "http://a", "model": "m1"}, "transformer": {"base": "http://b", "model": "m2"}}
     stem = sweep.write_report(args, rows, info, "0 / 0 / 0")
     markdown = stem.with_suffix(".md").read_text()
@@ -171,10 +171,18 @@ def test_headless_locust_run_gets_exact_lengths_from_a_real_service(models_dir, 
                 pass
             assert time.monotonic() < deadline, "service did not come up"
             time.sleep(0.1)
+        base = f"http://127.0.0.1:{port}"
         done = subprocess.run(
             [sys.executable, "-m", "locust", "-f", "loadtest/", "ClassifyUser", "--headless", "-u", "2", "-r", "2",
-             "-t", "3s", "--host", f"http://127.0.0.1:{port}", "--csv", str(tmp_path / "run"), "--only-summary"],
+             "-t", "3s", "--host", base, "--csv", str(tmp_path / "run"), "--only-summary"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        # one user for two deployments (here the same server under two names): each text goes to both
+        paired = subprocess.run(
+            [sys.executable, "-m", "locust", "-f", "loadtest/", "PairedClassifyUser", "--headless", "-u", "1",
+             "-r", "1", "-t", "2s", "--csv", str(tmp_path / "paired"), "--only-summary"],
+            cwd=REPO, env={**env, "LOADTEST_LENGTHS": "16", "LOADTEST_PAIRED_HOSTS": f"a={base},b={base}"},
+            capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     finally:
         server.terminate()
@@ -186,6 +194,11 @@ def test_headless_locust_run_gets_exact_lengths_from_a_real_service(models_dir, 
         assert int(row["Request Count"]) > 0, done.stderr[-2000:]
         # a reply whose `tokens` differs from n is a failure, so this also checks the lengths
         assert int(row["Failure Count"]) == 0, done.stderr[-2000:]
+    with open(tmp_path / "paired_stats.csv", newline="") as f:
+        stats = {row["Name"]: row for row in csv.DictReader(f)}
+    counts = [int(stats[f"/classify n=16 {label}"]["Request Count"]) for label in "ab"]
+    assert min(counts) > 0 and abs(counts[0] - counts[1]) <= 1, paired.stderr[-2000:]  # one each, in turn
+    assert all(int(stats[f"/classify n=16 {label}"]["Failure Count"]) == 0 for label in "ab")
 
 
 def test_sweep_percentiles_come_from_the_exact_times_when_locust_wrote_them():
@@ -223,6 +236,9 @@ def test_sweep_spawns_both_deployments_and_writes_the_report(tmp_path):
     assert {(r["deployment"], r["n"]) for r in rows} == expected
     assert all(int(r["requests"]) > 0 and int(r["failures"]) == 0 for r in rows)
     assert all(float(r["model_ms"]) > 0 for r in rows)  # both bundles timed alone at each length
+    # one user: one paired run per round; each deployment's rate is the user's alone, 1 / mean latency
+    assert all(r["runs"] == "paired" for r in rows)
+    assert all(float(r["requests_per_s"]) == pytest.approx(1000 / float(r["mean_ms"]), rel=0.01) for r in rows)
     # every request timed; Locust's CSV is rewritten once a second, so its count may miss the last one
     exact = [int(re.fullmatch(r"exact \((\d+) requests\)", r["percentiles"]).group(1)) for r in rows]
     assert all(timed >= int(r["requests"]) for timed, r in zip(exact, rows, strict=True))
