@@ -113,7 +113,8 @@ def test_sweep_report_has_a_speedup_per_length(tmp_path):
     assert [(r["table3_speedup"], r["model_level_speedup"], r["e2e_over_model"]) for r in table] == [
         (3.5, 4.0, 0.75), (9.0, 9.0, 0.889)]
     args = argparse.Namespace(task="classify", labels=["linformer", "transformer"], out=tmp_path, suffix="",
-                              spawn=False, duration="5s", warmup=1, model_seconds=10, rounds=1, paired=True)  # fmt: skip
+                              spawn=False, duration="5s", warmup=1, model_seconds=10, rounds=1,
+                              paired=True)  # fmt: skip
     info = {"linformer": {"base": "http://a", "model": "m1"}, "transformer": {"base": "http://b", "model": "m2"}}
     stem = sweep.write_report(args, rows, info, "0 / 0 / 0")
     markdown = stem.with_suffix(".md").read_text()
