@@ -1,4 +1,4 @@
-"""End-to-end sweep: Linformer vs Transformer deployments under Locust, one run per (n, deployment).
+"""End-to-end sweep: Linformer vs Transformer deployments under Locust, runs per (n, users, deployment).
 
     python -m loadtest.sweep                                  # compose deployments on :8000 and :8001
     python -m loadtest.sweep --spawn                          # start both as local processes instead
@@ -300,7 +300,7 @@ def comparison_rows(
             rps = a["requests_per_s"] / b["requests_per_s"] if b["requests_per_s"] else None
             row["throughput_ratio"] = None if rps is None else round(rps, 2)
             row["table3_speedup"] = model_level.get(n)
-            if a.get("model_ms") and b.get("model_ms"):  # timed by this sweep just before the load
+            if a.get("model_ms") and b.get("model_ms"):  # timed by this sweep around the load
                 reference = b["model_ms"] / a["model_ms"]
             else:
                 reference = model_level.get(n)
