@@ -505,15 +505,14 @@ def main(argv: list[str] | None = None) -> None:
         for i, n in enumerate(lengths):
             for users in args.users:
                 runs: dict[str, list[dict]] = {label: [] for label in args.labels}
-                model_ms: dict[str, list[float]] = {label: [] for label in args.labels}
+                timings: list[dict[str, float]] = []  # label -> ms, before each round and after the last
                 generated: dict[str, list[int]] = {label: [] for label in args.labels}
                 paired = args.paired and users == 1 and args.task == "classify"
                 timed = args.task == "classify" and args.spawn
                 for r in range(args.rounds):  # short alternating rounds: the machine's drift hits both alike
                     order = args.labels if (i + r) % 2 == 0 else args.labels[::-1]
                     if timed:
-                        for label, ms in time_bundles(args, n).items():
-                            model_ms[label].append(ms)
+                        timings.append(time_bundles(args, n))
                     for group in [order] if paired else [[label] for label in order]:
                         for label in group:
                             seen, output_tokens = warm_up(hosts[label], args.task, n, args.warmup)
@@ -525,8 +524,7 @@ def main(argv: list[str] | None = None) -> None:
                         for label, run in run_locust(args, n, users, prefix, group_hosts).items():
                             runs[label].append(run)
                 if timed:  # and once after the last round, so the timings bracket every run
-                    for label, ms in time_bundles(args, n).items():
-                        model_ms[label].append(ms)
+                    timings.append(time_bundles(args, n))
                 for label in args.labels:
                     rows.append(to_row(label, n, users, merge_runs(runs[label])))
                     rows[-1]["runs"] = "paired" if paired else "alone"
@@ -536,8 +534,8 @@ def main(argv: list[str] | None = None) -> None:
                         )
                     if paired and rows[-1]["mean_ms"]:  # Locust's rate counts both deployments' turns
                         rows[-1]["requests_per_s"] = round(1000 / rows[-1]["mean_ms"], 3)  # the user's alone
-                    if model_ms[label]:
-                        rows[-1]["model_ms"] = round(statistics.mean(model_ms[label]), 3)
+                    if timings:
+                        rows[-1]["model_ms"] = round(statistics.mean(t[label] for t in timings), 3)
                     if generated[label]:
                         rows[-1]["warmup_output_tokens"] = round(statistics.mean(generated[label]), 1)
                     print(json.dumps(rows[-1]), flush=True)
