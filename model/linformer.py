@@ -422,3 +422,24 @@ def init_weights(module: nn.Module) -> None:
 def count_projection_matrices(model: nn.Module) -> int:
     """Distinct k x n projection matrices (pooling has none): the paper's sharing arithmetic."""
     return sum(m.num_matrices for m in model.modules() if isinstance(m, LowRankProjection))
+
+
+class MaskedLM(nn.Module):
+    """Encoder with a BERT-style prediction head tied to the input embeddings, for masked-language
+    pretraining; a Classifier fine-tunes from its `encoder.*` weights (same names in both)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Encoder(cfg)
+        self.transform, self.ln = nn.Linear(cfg.d_model, cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        self.apply(init_weights)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, predict_at: torch.Tensor | None = None):
+        """-> logits (B, T, V), or (N, V) at the N positions where the bool mask `predict_at` (B, T) is set."""
+        h = self.encoder(input_ids, attention_mask.bool())  # (B, T, C)
+        if predict_at is not None:
+            h = h[predict_at]  # (N, C): the vocabulary projection is the costly part, so only where it counts
+        h = self.ln(F.gelu(self.transform(h)))
+        return F.linear(h, self.encoder.embed.weight, self.bias)

@@ -2,11 +2,14 @@
 
     python -m training classify --attention linformer --k 128 --n-max 4096 --out runs/classify-linformer-k128
     python -m training classify --attention transformer --n-max 4096 --out runs/classify-transformer
+    python -m training pretrain --attention linformer --k 128 --projection mean --out runs/pretrain-linformer-k128
+    python -m training classify --data .cache/data/reviews --init-from runs/pretrain-linformer-k128/best.pt ...
     python -m training translate --attention linformer --k 64 --out runs/translate-linformer-k64
     python -m training translate-eval --checkpoint runs/translate-linformer-k64/best.pt --split test
     torchrun --nproc_per_node=2 -m training classify ...      # DistributedDataParallel (gloo on CPU)
 
-Data comes from `python -m training.imdb` (.cache/data/imdb) and `python -m training.ende` (.cache/data/ende).
+Data comes from `python -m training.imdb` (.cache/data/imdb), `python -m training.ende` (.cache/data/ende) and
+`python -m training.corpus` (.cache/data/corpus for pretraining, .cache/data/reviews for fine-tuning).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--eval-every", type=int, default=0, help="also evaluate on dev every N steps (0: per epoch)")
     p.add_argument("--resume", action="store_true")
 
 
@@ -56,7 +60,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         out_dir=args.out, epochs=args.epochs, max_steps=args.max_steps, lr=args.lr,
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_tokens=args.max_tokens,
         max_batch=args.max_batch, seed=args.seed, threads=args.threads, save_every=args.save_every,
-        resume=args.resume,
+        eval_every=args.eval_every, resume=args.resume,
     )  # fmt: skip
 
 
@@ -72,11 +76,31 @@ def run_classify(args: argparse.Namespace) -> None:
         projection=args.projection, projection_init=args.projection_init, num_labels=len(LABELS),
     )  # fmt: skip
     task = ClassifyTask(data, cfg)
-    train(
-        task,
-        train_config(args),
-        extra={"task": "classify", "labels": LABELS, "data": str(data), "data_meta": meta},
-    )
+    extra = {"task": "classify", "labels": LABELS, "data": str(data), "data_meta": meta}
+    if args.init_from:
+        from training.trainer import load_pretrained_encoder
+
+        pretrained = load_pretrained_encoder(task.model, Path(args.init_from))
+        extra["init_from"] = {"checkpoint": args.init_from, "model_config": pretrained}
+    train(task, train_config(args), extra=extra)
+
+
+def run_pretrain(args: argparse.Namespace) -> None:
+    from training.pretrain import PretrainTask
+
+    data = Path(args.data)
+    meta = json.loads((data / "meta.json").read_text())
+    cfg = ModelConfig(
+        vocab_size=meta["tokenizer"]["vocab_size"], n_max=args.n_max, d_model=args.d_model,
+        n_heads=args.n_heads, n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout,
+        attention=args.attention, k=args.k[0] if len(args.k) == 1 else args.k, sharing=args.sharing,
+        projection=args.projection, projection_init=args.projection_init,
+    )  # fmt: skip
+    task = PretrainTask(data, cfg, seq_len=args.seq_len, mask_prob=args.mask_prob, seed=args.seed,
+                        eval_sequences=args.eval_sequences)  # fmt: skip
+    extra = {"task": "pretrain", "data": str(data), "data_meta": {k: meta[k] for k in ("sha256", "tokens", "sources")},
+             "seq_len": args.seq_len, "mask_prob": args.mask_prob, "train_sequences": task.train_rows.shape[0]}
+    train(task, train_config(args), extra=extra)
 
 
 def run_translate(args: argparse.Namespace) -> None:
@@ -121,10 +145,21 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
     classify = sub.add_parser("classify", help="train a sequence classifier on prepared IMDB data")
-    classify.add_argument("--data", default=".cache/data/imdb")
+    classify.add_argument("--data", default=".cache/data/imdb",
+                          help="prepared data; .cache/data/reviews (python -m training.corpus) adds Rotten Tomatoes")
+    classify.add_argument("--init-from", help="a pretrain checkpoint whose encoder weights the classifier starts from")
     add_model_args(classify)
     add_train_args(classify)
     classify.set_defaults(run=run_classify)
+
+    pretrain = sub.add_parser("pretrain", help="masked-language-model pretraining on the English corpus")
+    pretrain.add_argument("--data", default=".cache/data/corpus")
+    pretrain.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence, BOS included")
+    pretrain.add_argument("--mask-prob", type=float, default=0.15)
+    pretrain.add_argument("--eval-sequences", type=int, default=256, help="validation sequences (fixed masks)")
+    add_model_args(pretrain)
+    add_train_args(pretrain)
+    pretrain.set_defaults(run=run_pretrain, n_max=512, epochs=1)
 
     translate = sub.add_parser("translate", help="train an EN->DE encoder-decoder on prepared data")
     translate.add_argument("--data", default=".cache/data/ende")

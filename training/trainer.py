@@ -51,6 +51,7 @@ class TrainConfig:
     seed: int = 1234
     threads: int = 0  # torch intra-op threads; 0 leaves the default
     save_every: int = 500  # steps between mid-epoch checkpoints (for resume)
+    eval_every: int = 0  # when > 0, also evaluate on dev every this many steps (pretraining curves)
     resume: bool = False
 
 
@@ -62,6 +63,23 @@ def load_trained(checkpoint: Path, model_class: type[nn.Module]) -> tuple[nn.Mod
     model = model_class(ModelConfig(**saved["model_config"]))
     model.load_state_dict(saved["model"])
     return model.eval(), saved
+
+
+def load_pretrained_encoder(model: nn.Module, checkpoint: Path) -> dict:
+    """Copy a pretrained checkpoint's `encoder.*` weights into `model.encoder` (fine-tuning starts there).
+
+    The architecture must match; n_max and dropout may differ (positions are computed, pooling and
+    dropout hold no weights), so a model pretrained on 512-token sequences fine-tunes at n_max 4096.
+    Returns the pretrained model config."""
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    pretrained, ours = dict(saved["model_config"]), asdict(model.cfg)
+    differ = [key for key in ours if key not in ("n_max", "dropout", "num_labels") and pretrained.get(key) != ours[key]]
+    if differ:
+        raise ValueError(f"{checkpoint} differs from this model in {', '.join(differ)}")
+    weights = saved["model"]
+    encoder = {key.removeprefix("encoder."): weights[key] for key in weights if key.startswith("encoder.")}
+    model.encoder.load_state_dict(encoder)
+    return pretrained
 
 
 def setup_distributed() -> tuple[int, int]:
@@ -171,6 +189,11 @@ def train(task: Task, cfg: TrainConfig, extra: dict[str, Any] | None = None) -> 
                      "elapsed_s": now - started})  # fmt: skip
                 window_tokens, window_start = 0, now
             progress.update(1)
+            if cfg.eval_every and state["step"] % cfg.eval_every == 0 and rank == 0:
+                metrics = task.evaluate(model, "dev")
+                log({"step": state["step"], "epoch": state["epoch"],
+                     **{f"dev_{name}": value for name, value in metrics.items()}, "elapsed_s": now - started})
+                progress.write(f"step {state['step']}: dev {metrics}")
             if state["step"] % cfg.save_every == 0:
                 state["elapsed_s"] = time.perf_counter() - started
                 save("last")

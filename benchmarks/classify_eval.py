@@ -1,0 +1,174 @@
+"""Served classifiers against the bag-of-words floor, per source and per length bucket (a benchmark, not a test).
+
+Each bundle is run as the service runs it (its tokenizer, `truncate: true`, its ONNX model under ONNX
+Runtime). The floor is TF-IDF (word 1-2-grams) + logistic regression trained on the same training split,
+its C chosen on dev. Buckets count tokens with one tokenizer for every model (the first bundle's), so a
+text sits in the same bucket for every row.
+
+    python benchmarks/classify_eval.py --data .cache/data/reviews \
+        --bundles models/classify-linformer models/classify-transformer
+
+Writes benchmarks/results/classify-eval.{csv,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from service.bundle import load_bundle  # noqa: E402
+from service.runtime import ClassifierRuntime, make_session  # noqa: E402
+from service.tokenizer import Tokenizer  # noqa: E402
+
+BUCKETS = (("≤ 32 tokens", 0, 32), ("33–256 tokens", 33, 256), ("> 256 tokens", 257, 1 << 30))
+SOURCES = ("imdb", "rotten_tomatoes")
+
+
+def read_rows(path: Path) -> list[tuple[int, str, str]]:
+    """(label, text, source); data prepared before Rotten Tomatoes joined has no source column: IMDB."""
+    import csv
+
+    csv.field_size_limit(sys.maxsize)
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        return [(int(r["label"]), r["text"], r.get("source") or "imdb") for r in rows]
+
+
+def bundle_predictions(bundle_dir: Path, texts: list[str], threads: int, max_tokens: int = 16384) -> np.ndarray:
+    """P(positive) per text, computed in length-sorted batches exactly as the service pads them."""
+    bundle = load_bundle(bundle_dir)
+    tokenizer = Tokenizer.from_bundle(bundle)
+    runtime = ClassifierRuntime(make_session(bundle.onnx_path("model"), ["CPUExecutionProvider"],
+                                             intra_op_threads=threads, inter_op_threads=1))  # fmt: skip
+    ids = [e.ids for e in tokenizer.encode_all(texts, truncate=True)]
+    positive = bundle.labels.index("positive")
+    scores = np.zeros(len(texts))
+    order = sorted(range(len(texts)), key=lambda i: len(ids[i]))
+    start = 0
+    while start < len(order):
+        longest, end = len(ids[order[start]]), start
+        while end < len(order) and (end - start + 1) * max(longest, len(ids[order[end]])) <= max_tokens:
+            longest = max(longest, len(ids[order[end]]))
+            end += 1
+        rows = order[start:end]
+        batch = np.full((len(rows), longest), bundle.pad_id, dtype=np.int64)
+        mask = np.zeros_like(batch)
+        for r, i in enumerate(rows):
+            batch[r, : len(ids[i])], mask[r, : len(ids[i])] = ids[i], 1
+        logits = runtime.run(batch, mask)
+        exp = np.exp(logits - logits.max(axis=1, keepdims=True))
+        scores[rows] = exp[:, positive] / exp.sum(axis=1)
+        start = end
+    return scores
+
+
+def tfidf_predictions(train: list[tuple[int, str, str]], dev, test) -> tuple[np.ndarray, dict]:
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+
+    vectorizer = TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True, max_features=500_000)
+    x_train = vectorizer.fit_transform([t for _, t, _ in train])
+    y_train = [y for y, _, _ in train]
+    best = None
+    for c in (1.0, 4.0, 16.0):
+        model = LogisticRegression(C=c, max_iter=2000).fit(x_train, y_train)
+        dev_accuracy = model.score(vectorizer.transform([t for _, t, _ in dev]), [y for y, _, _ in dev])
+        if best is None or dev_accuracy > best[0]:
+            best = (dev_accuracy, c, model)
+    _, c, model = best
+    return model.predict_proba(vectorizer.transform([t for _, t, _ in test]))[:, 1], {"C": c}
+
+
+def score_rows(name: str, scores: np.ndarray, labels: np.ndarray, sources: list[str], lengths: np.ndarray) -> dict:
+    correct = (scores >= 0.5).astype(int) == labels
+    row = {"model": name, "all": float(correct.mean()), "n": len(labels)}
+    for source in SOURCES:
+        chosen = np.array([s == source for s in sources])
+        row[source] = float(correct[chosen].mean()) if chosen.any() else None
+    for bucket, low, high in BUCKETS:
+        chosen = (lengths >= low) & (lengths <= high)
+        row[bucket] = float(correct[chosen].mean()) if chosen.any() else None
+        row[f"n {bucket}"] = int(chosen.sum())
+    return row
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = ["imdb", "rotten_tomatoes", *(b for b, _, _ in BUCKETS)]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(rows)
+    for i, row in enumerate(rows):
+        values = [100 * (row[g] if row[g] is not None else np.nan) for g in groups]
+        ax.bar(np.arange(len(groups)) + i * width, values, width, label=row["model"])
+    ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2, ["IMDB", "Rotten Tomatoes", *groups[2:]])
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(50, 100)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("Classification test accuracy per source and length bucket")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=Path(".cache/data/reviews"))
+    parser.add_argument("--bundles", type=Path, nargs="+", required=True)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "classify-eval")
+    args = parser.parse_args(argv)
+    load_before = load_average()
+
+    train, dev, test = (read_rows(args.data / f"{split}.tsv") for split in ("train", "dev", "test"))
+    texts = [t for _, t, _ in test]
+    labels = np.array([y for y, _, _ in test])
+    sources = [s for _, _, s in test]
+    bucket_tokenizer = Tokenizer.from_bundle(load_bundle(args.bundles[0]))
+    lengths = np.array([len(e.ids) for e in bucket_tokenizer.encode_all(texts, truncate=True)])
+
+    rows = []
+    started = time.perf_counter()
+    scores, chosen = tfidf_predictions(train, dev, test)
+    rows.append(score_rows(f"TF-IDF + logistic regression (C={chosen['C']:g})", scores, labels, sources, lengths))
+    rows[-1]["seconds"] = round(time.perf_counter() - started, 1)
+    for bundle in args.bundles:
+        started = time.perf_counter()
+        rows.append(score_rows(bundle.name, bundle_predictions(bundle, texts, args.threads), labels, sources, lengths))
+        rows[-1]["seconds"] = round(time.perf_counter() - started, 1)
+
+    write_csv(args.out.with_suffix(".csv"), rows)
+    columns = {"model": "model", "all": "all", "imdb": "IMDB", "rotten_tomatoes": "Rotten Tomatoes",
+               **{b: b for b, _, _ in BUCKETS}}  # fmt: skip
+    counts = ", ".join(f"{b}: {rows[0][f'n {b}']}" for b, _, _ in BUCKETS)
+    lines = header("Classification test accuracy per source and length bucket", ("onnxruntime", "scikit-learn"),
+                   load_before)  # fmt: skip
+    lines += [
+        f"Test split of `{args.data}` ({len(texts)} texts: "
+        + ", ".join(f"{s} {sources.count(s)}" for s in SOURCES) + f"); buckets by `{args.bundles[0].name}`'s "
+        f"tokenizer, BOS included ({counts}). The floor is trained on the same training split "
+        f"({len(train)} texts), C chosen on dev. Bundles run as served (`truncate: true`).",
+        "",
+        *markdown_table(rows, columns),
+        "",
+        f"![accuracy by source and length]({args.out.name}.png)",
+        "",
+    ]
+    args.out.with_suffix(".md").write_text("\n".join(lines))
+    plot(rows, args.out.with_suffix(".png"))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
