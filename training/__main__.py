@@ -43,6 +43,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="run directory: checkpoints, metrics.jsonl, summary.json")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=0)
+    p.add_argument("--schedule-steps", type=int, default=0,
+                   help="learning-rate schedule length (default: the run's); a shorter --max-steps stops early on it")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup-steps", type=int, default=300)
@@ -57,7 +59,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
-        out_dir=args.out, epochs=args.epochs, max_steps=args.max_steps, lr=args.lr,
+        out_dir=args.out, epochs=args.epochs, max_steps=args.max_steps, schedule_steps=args.schedule_steps, lr=args.lr,
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_tokens=args.max_tokens,
         max_batch=args.max_batch, seed=args.seed, threads=args.threads, save_every=args.save_every,
         eval_every=args.eval_every, resume=args.resume,

@@ -41,6 +41,7 @@ class TrainConfig:
     out_dir: str
     epochs: int = 3
     max_steps: int = 0  # when > 0, stop after this many optimizer steps
+    schedule_steps: int = 0  # when > 0, the learning-rate schedule's length (runs cut short keep a longer run's rates)
     lr: float = 5e-4
     weight_decay: float = 0.01
     warmup_steps: int = 300
@@ -122,7 +123,7 @@ def train(task: Task, cfg: TrainConfig, extra: dict[str, Any] | None = None) -> 
     steps_per_epoch = len(bucketed_batches(lengths, cfg.max_tokens, cfg.max_batch, seed=cfg.seed)) // world
     # Epochs differ by a batch or two (bucketing is reshuffled), so the epoch count ends the run
     # and total_steps is the schedule's (and progress bar's) estimate; max_steps, when set, is exact.
-    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
+    total_steps = cfg.schedule_steps or cfg.max_steps or cfg.epochs * steps_per_epoch
     stop_at = cfg.max_steps or math.inf
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: learning_rate_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
