@@ -28,19 +28,10 @@ from loadtest.report import header, load_average, markdown_table, write_csv  # n
 from service.bundle import load_bundle  # noqa: E402
 from service.runtime import ClassifierRuntime, make_session  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
+from training.classify import read_split_with_source  # noqa: E402
 
 BUCKETS = (("≤ 32 tokens", 0, 32), ("33–256 tokens", 33, 256), ("> 256 tokens", 257, 1 << 30))
 SOURCES = ("imdb", "rotten_tomatoes")
-
-
-def read_rows(path: Path) -> list[tuple[int, str, str]]:
-    """(label, text, source); data prepared before Rotten Tomatoes joined has no source column: IMDB."""
-    import csv
-
-    csv.field_size_limit(sys.maxsize)
-    with open(path, encoding="utf-8", newline="") as f:
-        rows = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        return [(int(r["label"]), r["text"], r.get("source") or "imdb") for r in rows]
 
 
 def bundle_predictions(bundle_dir: Path, texts: list[str], threads: int, max_tokens: int = 16384) -> np.ndarray:
@@ -131,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     load_before = load_average()
 
-    train, dev, test = (read_rows(args.data / f"{split}.tsv") for split in ("train", "dev", "test"))
+    train, dev, test = (read_split_with_source(args.data / f"{split}.tsv") for split in ("train", "dev", "test"))
     texts = [t for _, t, _ in test]
     labels = np.array([y for y, _, _ in test])
     sources = [s for _, _, s in test]

@@ -16,15 +16,16 @@ from training.batching import bucketed_batches, pad
 from training.tokenizer import BOS_ID, PAD_ID
 
 LABELS = ["negative", "positive"]
+# Length buckets the issue tracker asks about (tokens as the model sees them, BOS included).
+LENGTH_BUCKETS = {"le32": (0, 32), "33to256": (33, 256), "gt256": (257, 1 << 30)}
 
 
-def read_split(path: Path) -> list[tuple[int, str]]:
+def read_split_with_source(path: Path) -> list[tuple[int, str, str]]:
+    """(label, text, source); data prepared before Rotten Tomatoes joined has no source column: all IMDB."""
     csv.field_size_limit(sys.maxsize)
     with open(path, encoding="utf-8", newline="") as f:
-        return [
-            (int(row["label"]), row["text"])
-            for row in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        ]
+        rows = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        return [(int(row["label"]), row["text"], row.get("source") or "imdb") for row in rows]
 
 
 def encode(sp: spm.SentencePieceProcessor, text: str, n_max: int) -> list[int]:
@@ -36,13 +37,14 @@ class ClassifyTask:
     def __init__(self, data_dir: Path, cfg: ModelConfig, eval_max_tokens: int = 16384):
         self.sp = spm.SentencePieceProcessor(model_file=str(data_dir / "spm.model"))
         assert self.sp.get_piece_size() == cfg.vocab_size, "vocab_size must match the tokenizer"
-        self.splits = {}
+        self.splits, self.sources = {}, {}
         for split in ("train", "dev", "test"):
-            rows = read_split(data_dir / f"{split}.tsv")
+            rows = read_split_with_source(data_dir / f"{split}.tsv")
             self.splits[split] = (
-                [encode(self.sp, text, cfg.n_max) for _, text in rows],
-                [label for label, _ in rows],
+                [encode(self.sp, text, cfg.n_max) for _, text, _ in rows],
+                [label for label, _, _ in rows],
             )
+            self.sources[split] = [source for _, _, source in rows]
         self.model = Classifier(cfg)
         self.eval_max_tokens = eval_max_tokens
 
@@ -66,12 +68,22 @@ class ClassifyTask:
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         model.eval()
         seqs, _ = self.splits[split]
-        correct, total_loss = 0, 0.0
+        right, total_loss = torch.zeros(len(seqs), dtype=torch.bool), 0.0
         for indices in bucketed_batches([len(s) for s in seqs], self.eval_max_tokens, 256):
             batch = self.collate(indices, split)
             logits = model(batch["input_ids"], batch["attention_mask"])
             total_loss += F.cross_entropy(logits, batch["labels"], reduction="sum").item()
-            correct += int((logits.argmax(-1) == batch["labels"]).sum())
+            right[indices] = logits.argmax(-1) == batch["labels"]
         model.train()
-        accuracy = correct / len(seqs)
-        return {"score": accuracy, "accuracy": accuracy, "loss": total_loss / len(seqs)}
+        accuracy = right.float().mean().item()
+        metrics = {"score": accuracy, "accuracy": accuracy, "loss": total_loss / len(seqs)}
+        # per source and per length bucket, where the split has more than one of them
+        sources = self.sources[split]
+        groups = {f"accuracy_{source}": [s == source for s in sources] for source in sorted(set(sources))}
+        for name, (low, high) in LENGTH_BUCKETS.items():
+            groups[f"accuracy_{name}"] = [low <= len(s) <= high for s in seqs]
+        for name, members in groups.items():
+            chosen = torch.tensor(members)
+            if 0 < int(chosen.sum()) < len(seqs):
+                metrics[name] = right[chosen].float().mean().item()
+        return metrics
