@@ -5,6 +5,51 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+GROUP_NAMES = {"accuracy_imdb": "IMDB", "accuracy_rotten_tomatoes": "Rotten Tomatoes",
+               "accuracy_le32": "≤ 32 tokens", "accuracy_33to256": "33–256 tokens", "accuracy_gt256": "> 256 tokens"}
+
+
+def pretraining_lines(init_from: dict | None) -> list[str]:
+    """The pretraining a fine-tuned classifier started from: corpus, recipe, validation perplexity."""
+    if not init_from:
+        return ["## Pretraining", "- None: trained from scratch on the labelled data.", ""]
+    run = Path(init_from["checkpoint"]).parent
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+    if not summary:
+        return ["## Pretraining", f"- Encoder initialised from `{init_from['checkpoint']}` (no summary found).", ""]
+    cfg, train, data = summary["model_config"], summary["train_config"], summary.get("data_meta", {})
+    sources = ", ".join(f"{name} {c['kept']:,} documents" for name, c in data.get("sources", {}).items())
+    tokens = data.get("tokens", {})
+    return [
+        "## Pretraining (masked-language modelling, then this fine-tuning)",
+        f"- Corpus (`python -m training.corpus`): {sources}; {tokens.get('train', 0):,} training tokens, "
+        f"{tokens.get('dev', 0):,} validation tokens; every classification dev/test text and EN-DE dev/test "
+        "sentence removed by construction; sha256 "
+        + ", ".join(f"`{name}` {digest[:16]}…" for name, digest in data.get("sha256", {}).items()) + ".",
+        f"- BERT-style masking ({summary.get('mask_prob', 0.15):.0%} of positions; 80/10/10 mask/random/keep) on "
+        f"{summary.get('seq_len', '?')}-token sequences, n_max {cfg['n_max']}, {summary['steps']} steps of at most "
+        f"{train['max_tokens']} tokens, peak lr {train['lr']}, {train['warmup_steps']} warm-up steps; "
+        f"{summary['threads_per_process']} CPU thread(s), {summary['train_wall_s'] / 60:.1f} min.",
+        f"- Command: `python -m training pretrain --attention {cfg['attention']}"
+        + (f" --k {cfg['k']} --projection {cfg['projection']}" if cfg["attention"] == "linformer" else "")
+        + f" --n-max {cfg['n_max']} --d-model {cfg['d_model']} --n-heads {cfg['n_heads']} --n-layers {cfg['n_layers']}"
+        f" --d-ff {cfg['d_ff']} --seq-len {summary.get('seq_len')} --max-steps {train['max_steps']}"
+        f" --lr {train['lr']} --warmup-steps {train['warmup_steps']} --max-tokens {train['max_tokens']}"
+        f" --eval-every {train.get('eval_every', 0)} --threads {train['threads']} --out PRETRAINED`",
+        f"- Validation MLM perplexity at the end: {summary['dev']['perplexity']:.1f} "
+        f"(masked-token accuracy {summary['dev']['accuracy']:.3f}).",
+        "",
+    ]
+
+
+def split_count(count: int | dict) -> str:
+    """`1500`, `{"total": 1500, ...}` or per source `{"imdb": 1500, "rotten_tomatoes": 1000}` -> text."""
+    if not isinstance(count, dict):
+        return str(count)
+    if "total" in count:
+        return str(count["total"])
+    return " + ".join(f"{n} {source}" for source, n in count.items())
+
 
 def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "") -> str:
     extra = saved.get("extra", {})
@@ -25,22 +70,32 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "")
         else "vanilla Transformer (full softmax attention)"
     )
     counts = meta.get("counts", {})
+    with_rotten_tomatoes = meta.get("dataset") == "imdb+rotten_tomatoes"
     lines = [
         f"# {config['name']}",
         "",
-        f"IMDB sentiment classifier ({', '.join(config['labels'])}). Encoder: {kind}; n_max = {cfg['n_max']} tokens.",
+        f"Sentiment classifier ({', '.join(config['labels'])}) for reviews"
+        + (", long and short" if with_rotten_tomatoes else " (trained on long IMDB reviews only)")
+        + f". Encoder: {kind}; n_max = {cfg['n_max']} tokens.",
         "",
         "## Data provenance",
         f"- Source: PyPI package `{meta.get('package', '?')}=={meta.get('package_version', '?')}`, "
         "rows with `source == \"imdb\"` (the 25k Maas et al. train reviews), `<br />` turned into spaces, "
-        "exact duplicates removed.",
+        "exact duplicates removed"
+        + (", and the 8.5k short Rotten Tomatoes sentences (`source == \"rotten_tomatoes\"`), split on their own."
+           if with_rotten_tomatoes else "."),
         f"- Seeded split (seed {meta.get('seed', '?')}): "
-        + ", ".join(f"{split} {c.get('total', c) if isinstance(c, dict) else c}" for split, c in counts.items())
-        + "; the test part was never trained on.",
-        "- Prepared by `python -m training.imdb`; sha256: "
+        + ", ".join(f"{split} {split_count(c)}" for split, c in counts.items())
+        + "; the test part was never trained on"
+        + (" (IMDB's split is the same as the earlier models')." if with_rotten_tomatoes else "."),
+        f"- Prepared by `python -m training.{'corpus' if with_rotten_tomatoes else 'imdb'}`; sha256: "
         + ", ".join(f"`{name}` {digest[:16]}…" for name, digest in meta.get("sha256", {}).items()),
-        f"- Tokenizer: SentencePiece, vocabulary {cfg['vocab_size']}, trained on the training split only.",
+        f"- Tokenizer: SentencePiece, vocabulary {cfg['vocab_size']}, trained on the "
+        + ("pretraining corpus's training documents." if with_rotten_tomatoes else "training split only."),
         "",
+    ]
+    lines += pretraining_lines(extra.get("init_from"))
+    lines += [
         "## Model and recipe",
         f"- d_model {cfg['d_model']}, {cfg['n_layers']} layers, {cfg['n_heads']} heads, d_ff {cfg['d_ff']}, "
         f"dropout {cfg['dropout']}, pre-LayerNorm, sinusoidal positions, mean over real tokens, linear head.",
@@ -56,7 +111,9 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "")
         + f" --n-max {cfg['n_max']} --d-model {cfg['d_model']} --n-heads {cfg['n_heads']}"
         f" --n-layers {cfg['n_layers']} --d-ff {cfg['d_ff']} --epochs {train['epochs']} --lr {train['lr']}"
         f" --warmup-steps {train['warmup_steps']} --max-tokens {train['max_tokens']}"
-        f" --threads {train['threads']} --out RUN`",
+        f" --threads {train['threads']}"
+        + (f" --data {extra['data']} --init-from PRETRAINED/best.pt" if extra.get("init_from") else "")
+        + " --out RUN`",
     ]
     if summary:
         lines += [
@@ -70,6 +127,12 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "")
             f"| dev | {summary['dev']['accuracy']:.4f} | {summary['dev']['loss']:.4f} |",
             f"| test | {summary['test']['accuracy']:.4f} | {summary['test']['loss']:.4f} |",
         ]
+        groups = [key for key in summary["test"] if key.startswith("accuracy_")]
+        if groups:
+            lines += ["", "Test accuracy per source and per length bucket (tokens as the model sees them):", "",
+                      "| " + " | ".join(GROUP_NAMES.get(key, key) for key in groups) + " |",
+                      "|" + "---|" * len(groups),
+                      "| " + " | ".join(f"{summary['test'][key]:.4f}" for key in groups) + " |"]  # fmt: skip
     parity = config["parity"]
     lines += [
         "",
@@ -142,7 +205,9 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
         f" --n-decoder-layers {cfg['n_decoder_layers']} --d-ff {cfg['d_ff']} --epochs {train['epochs']}"
         + (f" --max-steps {train['max_steps']}" if train.get("max_steps") else "")
         + f" --lr {train['lr']} --warmup-steps {train['warmup_steps']} --max-tokens {train['max_tokens']}"
-        f" --threads {train['threads']} --out RUN`",
+        f" --threads {train['threads']}"
+        + (f" --data {extra['data']} --init-from PRETRAINED/best.pt" if extra.get("init_from") else "")
+        + " --out RUN`",
     ]
     if summary:
         lines += [
