@@ -36,7 +36,7 @@ trap cleanup EXIT
 commands=$(awk '/<!-- quickstart -->/ {on=1; next} /<!-- \/quickstart -->/ {on=0} on' "$repo/README.md" \
     | sed -e '/^```/d' \
     | awk '{ if (sub(/\\$/, "")) { line = line $0 } else { print line $0; line = "" } }' \
-    | sed -e 's/[[:space:]]#[^'"'"'"]*$//' -e '/^[[:space:]]*#/d' -e '/^[[:space:]]*$/d')
+    | sed -e 's/[[:space:]]*#[^'"'"'"]*$//' -e 's/[[:space:]]*$//' -e '/^[[:space:]]*#/d' -e '/^[[:space:]]*$/d')
 if ! grep -qx 'make serve' <<<"$commands"; then
     echo "quickstart.sh: no 'make serve' line in README.md's quickstart block" >&2
     exit 1
