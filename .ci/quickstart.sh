@@ -2,8 +2,9 @@
 # Run the README's quick start, as written, in a fresh clone of HEAD, so that it cannot silently break:
 # the commands come from the block between `<!-- quickstart -->` and `<!-- /quickstart -->` in README.md.
 #   - `make serve` runs in the background (its own process group); the script waits for /readyz;
-#   - every other command runs as written, in the clone, with port 8000 replaced by a free port (so a
-#     server already on 8000 neither breaks nor fakes the run) and `curl` given --fail-with-body, so an
+#   - every other command runs as written, in the clone, with port 8000 replaced by a free port (in the
+#     command, and as PORT for make; so a server already on 8000 neither breaks nor fakes the run) and
+#     `curl` given --fail-with-body, so an
 #     HTTP error fails the run instead of printing a JSON error and going on;
 #   - any command that fails, or a server that is not ready within READY_TIMEOUT_S, fails the script.
 # Prints how long `make serve` took from nothing to ready (venv, install, model load).
@@ -69,7 +70,7 @@ while IFS= read -r command; do
     command=$(sed -E 's/^curl /curl --fail-with-body /' <<<"$command")
     echo "\$ $command"
     start=$SECONDS
-    bash -euo pipefail -c "$command"
+    PORT=$port bash -euo pipefail -c "$command"   # the Makefile's PORT, for `make loadtest`
     echo
     echo "quickstart: ok after $((SECONDS - start)) s"
 done <<<"$commands"
