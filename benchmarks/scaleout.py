@@ -78,6 +78,43 @@ def served_per_replica() -> dict[str, int]:
     return {s["svname"]: int(s["stot"]) for s in backend_servers()}
 
 
+def host_cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies over all cores since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+class ReplicaCpu:
+    """Samples `docker stats` while a run goes on: the linformer replicas' CPU, summed, in % of one core."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self.stop.is_set():
+            done = subprocess.run(["docker", "stats", "--no-stream", "--format", "{{.Name}} {{.CPUPerc}}"],
+                                  capture_output=True, text=True)  # fmt: skip
+            values = [float(line.split()[1].rstrip("%")) for line in done.stdout.splitlines()
+                      if "_linformer_" in line.split()[0]]  # fmt: skip
+            if values:
+                self.samples.append(sum(values))
+            self.stop.wait(3)
+
+    def __enter__(self) -> ReplicaCpu:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def mean(self) -> float | None:
+        return sum(self.samples) / len(self.samples) if self.samples else None
+
+
 def run_locust(args: argparse.Namespace, duration: str, out: Path) -> dict:
     """One headless Locust run against the balancer; the aggregated row of its stats CSV."""
     env = {**os.environ, "LOADTEST_LENGTHS": str(args.length)}
@@ -96,9 +133,11 @@ def run_locust(args: argparse.Namespace, duration: str, out: Path) -> dict:
 def measure(args: argparse.Namespace, replicas: int, round_: int, tmp: Path) -> dict:
     scale(replicas)
     run_locust(args, args.warmup, tmp / f"warmup-{replicas}-{round_}")
-    before = served_per_replica()
-    stats = run_locust(args, args.duration, tmp / f"run-{replicas}-{round_}")
-    after = served_per_replica()
+    before, busy_before = served_per_replica(), host_cpu_times()
+    with ReplicaCpu() as replica_cpu:
+        stats = run_locust(args, args.duration, tmp / f"run-{replicas}-{round_}")
+    after, busy_after = served_per_replica(), host_cpu_times()
+    host_busy = (busy_after[0] - busy_before[0]) / max(1, busy_after[1] - busy_before[1])
     shares = sorted((after[name] - before.get(name, 0) for name in after), reverse=True)
     return {
         "round": round_,
@@ -109,6 +148,8 @@ def measure(args: argparse.Namespace, replicas: int, round_: int, tmp: Path) -> 
         "p50_ms": float(stats["50%"]),
         "p95_ms": float(stats["95%"]),
         "served_per_replica": " / ".join(map(str, shares)),
+        "replicas_cpu_pct": replica_cpu.mean(),
+        "host_busy_pct": 100 * host_busy,
         "load_average": load_average().split(" (")[0],
     }
 
@@ -155,6 +196,8 @@ def write_report(args: argparse.Namespace, rows: list[dict], drain: dict, load_b
         *markdown_table(rows, {"round": "round", "replicas": "replicas", "requests": "requests",
                                "failures": "failures", "requests_per_s": "requests/s", "p50_ms": "p50 ms",
                                "p95_ms": "p95 ms", "served_per_replica": "served by each replica",
+                               "replicas_cpu_pct": "replicas' CPU, % of one core (docker stats)",
+                               "host_busy_pct": f"host CPU busy, % of {os.cpu_count()} cores",
                                "load_average": "load (1/5/15 min) after"}),  # fmt: skip
         "",
         f"**2 replicas / 1 replica: {mean[2] / mean[1]:.2f}× the requests/s** (mean of the rounds: "
