@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end check of docker/compose.yaml: build the image, start both deployments, wait until they
+# End-to-end check of compose.yaml: build the images, start both deployments behind the balancer, wait until they
 # answer, classify and translate one text on each, tear everything down. Exits non-zero on any
 # failure and records the run in docker/smoke-result.md.
 #
@@ -25,7 +25,7 @@ else
     compose=(docker-compose)
 fi
 compose_version="${compose[*]} $("${compose[@]}" version --short 2>/dev/null || true)"
-compose+=(-p "$PROJECT" -f docker/compose.yaml)
+compose+=(-p "$PROJECT" -f compose.yaml)
 
 if [ -z "${BASE_IMAGE:-}" ] && docker image inspect linformer-base:bookworm >/dev/null 2>&1; then
     export BASE_IMAGE=linformer-base:bookworm PIP_OFFLINE=1
@@ -88,11 +88,11 @@ for port in 8000 8001; do
 done
 
 echo "==== build"
-"${compose[@]}" build linformer transformer
+"${compose[@]}" build linformer transformer balancer
 note "- image: linformer-serve:cpu $(docker image inspect linformer-serve:cpu --format '{{.Id}}' | cut -c8-19), $(docker image inspect linformer-serve:cpu --format '{{.Size}}' | awk '{printf "%.0f MB", $1/1e6}')"
 
 echo "==== up"
-"${compose[@]}" up -d linformer transformer
+"${compose[@]}" up -d linformer transformer balancer
 
 # http_call METHOD URL [JSON] -> sets $code and $body
 http_call() {
@@ -129,11 +129,12 @@ check_deployment() {
     [ -d "models/$classify_bundle" ] || [ -d "models/$translate_bundle" ] && expect_ready=200
     container=$("${compose[@]}" ps -q "$name")
 
-    # uvicorn accepts connections only after the lifespan has loaded (or rejected) the bundles, so
-    # the first HTTP answer of /readyz is the final one.
+    # Through the balancer: 503 until a replica passes its /readyz check (the replica itself accepts
+    # connections only once the lifespan has loaded or rejected the bundles), so wait for the answer
+    # the bundles call for, up to the deadline.
     deadline=$((SECONDS + READY_TIMEOUT_S))
     code=000
-    while [ "$code" = 000 ] && [ $SECONDS -lt $deadline ]; do
+    while [ "$code" != "$expect_ready" ] && [ $SECONDS -lt $deadline ]; do
         if [ "$(docker inspect -f '{{.State.Running}}' "$container")" != true ]; then
             fail "$name exited before answering (exit code $(docker inspect -f '{{.State.ExitCode}}' "$container"))"
             return

