@@ -51,7 +51,7 @@ def versions(*names: str) -> str:
 def header(title: str, packages: tuple[str, ...], load_before: str) -> list[str]:
     """Markdown lines: title, date, exact command, machine, versions, load average before and now."""
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", _module(), *sys.argv[1:]])
+    command = " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *_invocation(), *sys.argv[1:]])
     return [
         f"# {title}",
         "",
@@ -65,9 +65,10 @@ def header(title: str, packages: tuple[str, ...], load_before: str) -> list[str]
     ]
 
 
-def _module() -> str:
+def _invocation() -> list[str]:
+    """`-m module` when run as a module, else the script's path as typed (benchmarks/*.py are scripts)."""
     spec = getattr(sys.modules["__main__"], "__spec__", None)
-    return spec.name if spec is not None else sys.argv[0]
+    return ["-m", spec.name] if spec is not None else [sys.argv[0]]
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
