@@ -3,9 +3,9 @@
 Dynamic quantisation (`onnxruntime.quantization.quantize_dynamic`) stores each constant-weight MatMul's
 weights as int8 and quantises its input to uint8 at run time, per call, from that tensor's own range: no
 calibration data. ORT then runs the pair as one DynamicQuantizeMatMul kernel (u8 x s8, VNNI where the CPU
-has it). What it does not touch stays fp32: the fused com.microsoft MultiHeadAttention (no weights), the
-attention MatMuls of the decoder (both sides are activations), LayerNorm, Gelu, the classifier's 2-row
-Gemm head (dynamic mode has no Gemm kernel), and Linformer's E (its rows are sliced to the input length in
+has it; the classifier's Gemm head becomes such a MatMul too). What it does not touch stays fp32: the fused
+com.microsoft MultiHeadAttention (no weights), the attention MatMuls of the decoder (both sides are
+activations), LayerNorm, Gelu, the positions, and Linformer's E (its rows are sliced to the input length in
 the graph, so it reaches the MatMul as an activation).
 
 The output is a complete bundle the service loads unchanged: the same tokenizer, a config.json whose
