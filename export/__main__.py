@@ -2,6 +2,7 @@
 
     python -m export classify --checkpoint runs/classify-linformer-k128/best.pt --out models/classify-linformer
     python -m export translate --checkpoint runs/translate-linformer-k64/best.pt --out models/translate-linformer
+    python -m export quantize --bundle models/translate-linformer --out models/translate-linformer-int8
 """
 
 from __future__ import annotations
@@ -28,7 +29,18 @@ def main(argv: list[str] | None = None) -> None:
     translate.add_argument("--tokenizer", type=Path, help="default: spm.model of the data the run trained on")
     translate.add_argument("--parity-sentences", type=int, default=200, help="first N test sentences")
     translate.add_argument("--note", action="append", default=[], help="a line for the model card's recipe")
+    quantize = sub.add_parser("quantize", help="int8 twin of an exported bundle (ONNX Runtime dynamic quantisation)")
+    quantize.add_argument("--bundle", type=Path, required=True, help="fp32 bundle, e.g. models/classify-linformer")
+    quantize.add_argument("--out", type=Path, required=True, help="e.g. models/classify-linformer-int8")
+    quantize.add_argument("--per-channel", action="store_true", help="one weight scale per output column")
     args = parser.parse_args(argv)
+
+    if args.task == "quantize":  # a bundle in, a bundle out: no checkpoint, no torch
+        from export.quantize import quantize_bundle
+
+        config = quantize_bundle(args.bundle, args.out, per_channel=args.per_channel)
+        print(json.dumps({"bundle": str(args.out), "quantization": config["export"]["quantization"]}))
+        return
 
     import torch
 
