@@ -43,7 +43,7 @@ def read_run(run: Path) -> dict:
     config, train = saved["model_config"], saved["train_config"]
     elapsed = max((r.get("elapsed_s", 0) for r in records), default=0)
     return {"run": run.name, "label": describe(config), "curve": curve, "train": train, "minutes": elapsed / 60,
-            "finished": summary is not None}  # fmt: skip
+            "finished": summary is not None, "data": (summary or {}).get("data")}  # fmt: skip
 
 
 def _configs_from_checkpoint(run: Path) -> dict:
@@ -53,7 +53,16 @@ def _configs_from_checkpoint(run: Path) -> dict:
     return {"model_config": saved["model_config"], "train_config": saved["train_config"]}
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def unigram_perplexity(data_dir: Path) -> float:
+    """What a model that ignores the context scores: training-set token frequencies (add-one) on validation."""
+    import numpy as np
+
+    train, dev = np.load(data_dir / "train.ids.npy"), np.load(data_dir / "dev.ids.npy")
+    counts = np.bincount(train, minlength=int(max(train.max(), dev.max())) + 1).astype(float) + 1
+    return float(np.exp(-np.log(counts[dev] / counts.sum()).mean()))
+
+
+def plot(runs: list[dict], path: Path, floor: float | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,6 +72,8 @@ def plot(runs: list[dict], path: Path) -> None:
     for run in runs:
         steps = sorted(run["curve"])
         ax.plot(steps, [run["curve"][s] for s in steps], marker="o", markersize=3, label=run["label"])
+    if floor:
+        ax.axhline(floor, color="grey", linestyle="--", label=f"context ignored (unigram): {floor:.0f}")
     ax.set_yscale("log")
     ax.set_xlabel("updates")
     ax.set_ylabel("validation MLM perplexity")
@@ -95,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         for run in runs[1:]
     ]
     train = reference["train"]
+    data = Path(reference["data"]) if reference["data"] else None
+    floor = unigram_perplexity(data) if data and (data / "dev.ids.npy").exists() else None
     lines = header("Pretraining perplexity vs updates (paper Figure 3 at our scale)", ("torch",), load_before)
     lines += [
         f"Validation MLM perplexity on the same fixed masks (`{args.runs[0].parent}/*/metrics.jsonl`). Recipe "
@@ -102,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{train.get('schedule_steps') or train.get('max_steps')} steps, batches of {train.get('max_tokens')} tokens "
         "(512-token sequences), 1 CPU thread each. Runs marked short were stopped before the end of the same "
         "schedule (`--schedule-steps`), so every point compares at equal updates and equal learning rate.",
+        "",
+        f"A model that ignores the context (training-set token frequencies) scores {floor:.0f} on the same tokens."
+        if floor else "",
         "",
         "| run | model | steps | wall (min) |",
         "|---|---|---|---|",
@@ -121,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
     ]
     args.out.with_suffix(".md").write_text("\n".join(lines))
-    plot(runs, args.out.with_suffix(".png"))
+    plot(runs, args.out.with_suffix(".png"), floor)
     print("\n".join(lines))
 
 
