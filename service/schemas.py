@@ -1,17 +1,26 @@
 """Request and response bodies. Unknown fields and wrong types are refused (422), never coerced."""
 
+import unicodedata
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+# whitespace, controls and format characters (zero-width space/joiners, BOM, bidi marks): none of them is
+# something to classify or translate, so a text made only of them is as blank as an empty one
+_INVISIBLE_CATEGORIES = frozenset({"Zs", "Zl", "Zp", "Cc", "Cf"})
 
-def _not_blank(text: str) -> str:
-    if not text.strip():
-        raise ValueError("text must not be empty or only whitespace")
+
+def _valid_text(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON's "\ud800" escapes decode to lone surrogates, which are not text
+        raise ValueError(f"text is not valid Unicode: {e.reason} at character {e.start}") from None
+    if all(ch.isspace() or unicodedata.category(ch) in _INVISIBLE_CATEGORIES for ch in text):
+        raise ValueError("text must not be empty or only whitespace or invisible characters")
     return text
 
 
-Text = Annotated[str, AfterValidator(_not_blank)]
+Text = Annotated[str, AfterValidator(_valid_text)]
 
 
 class _Request(BaseModel):
@@ -53,7 +62,12 @@ class ClassifyResponse(BaseModel):
 
 class TranslateRequest(_Request):
     beam_size: int = Field(1, ge=1, le=8)
-    max_new_tokens: int = Field(256, ge=1, le=4096)
+    max_new_tokens: int = Field(
+        256, ge=1, le=4096,
+        description="At most this many tokens per translation (also capped by the model's target length). "
+                    "texts x beam_size x max_new_tokens must stay within the server's per-request budget "
+                    "(LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST), else 413.",
+    )  # fmt: skip
 
 
 class Translation(BaseModel):
@@ -83,5 +97,7 @@ class ModelsResponse(BaseModel):
 
 class Readiness(BaseModel):
     ready: bool
-    models: list[str]
+    models: list[str] = Field(description="Models serving now.")
+    not_loaded: list[str] = Field([], description="Configured models that could not be loaded (see the log).")
+    draining: bool = Field(False, description="SIGTERM received: finishing accepted requests before exiting.")
     detail: str
