@@ -114,6 +114,11 @@ def install_error_handlers(app: FastAPI) -> None:
         message = "; ".join(f"{'.'.join(map(str, d['loc']))}: {d['msg']}" for d in details) or "invalid request"
         return error_response(request, 422, "invalid_request", message, details=details)
 
+    @app.exception_handler(Exception)  # Starlette's ServerErrorMiddleware answers with it, then re-raises to log
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        message = "the server failed on this request; the request id is in its log"
+        return error_response(request, 500, "internal_error", message)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
