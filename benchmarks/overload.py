@@ -20,14 +20,21 @@ import argparse
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.loadgen import (  # noqa: E402
-    REVIEW, Record, Server, closed_loop, free_port, open_loop, percentile, pin_to, post_request,
+    REVIEW,
+    Record,
+    Server,
+    closed_loop,
+    free_port,
+    open_loop,
+    percentile,
+    pin_to,
+    post_request,
 )  # fmt: skip
 from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
 

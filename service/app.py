@@ -122,6 +122,15 @@ class ServiceApp(FastAPI):
     def build_middleware_stack(self) -> ASGIApp:
         return RequestContextMiddleware(super().build_middleware_stack(), state=self.state.service)
 
+    def openapi(self) -> dict[str, Any]:
+        """The schema states this server's texts-per-request limit, so a client (or a fuzzer) reading it knows."""
+        if self.openapi_schema is None:
+            schema = super().openapi()
+            for name in ("ClassifyRequest", "TranslateRequest"):
+                texts = schema["components"]["schemas"][name]["properties"]["texts"]
+                texts["maxItems"] = self.state.service.settings.max_texts_per_request
+        return self.openapi_schema
+
 
 def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper | None = None) -> FastAPI:
     settings = settings or Settings()

@@ -338,3 +338,32 @@ async def test_the_translator_asks_between_every_decoder_step(translate_root):
             r = await client.post("/translate", json={"texts": ["the film", "a bad movie"], "beam_size": beam})
             assert r.status_code == 200
     assert calls["decoder"] > 0 and calls["hook"] == calls["decoder"]
+
+
+# ---- the OpenAPI schema and the server agree (what schemathesis checks in `make fuzz`) ----
+
+
+async def test_the_schema_states_what_the_server_enforces(client):
+    import re
+
+    from service.schemas import VISIBLE_CHARACTER
+
+    spec = (await client.get("/openapi.json")).json()["components"]["schemas"]["ClassifyRequest"]
+    assert spec["oneOf"] == [{"required": ["text"]}, {"required": ["texts"]}]
+    assert spec["properties"]["texts"]["maxItems"] == 8  # this server's LINFORMER_MAX_TEXTS_PER_REQUEST
+    assert spec["properties"]["text"]["pattern"] == VISIBLE_CHARACTER
+    for text in ["\u200b\u200b\ufeff", " \t", "\x00"]:  # the pattern refuses what the server refuses...
+        assert not re.search(VISIBLE_CHARACTER, text)
+        assert (await client.post("/classify", json={"text": text})).status_code == 422
+    for text in ["a", "\u200bfilm", "\u00e9"]:  # ...and allows what it serves
+        assert re.search(VISIBLE_CHARACTER, text)
+        assert (await client.post("/classify", json={"text": text})).status_code == 200
+    assert (await client.post("/classify", json={"text": None, "texts": ["a"]})).status_code == 422  # not nullable
+
+
+async def test_an_integral_float_is_an_integer_as_in_json_schema(translate_root):
+    async with running_service(make_settings(translate_root, classify_model="")) as client:
+        assert (await client.post("/translate", json={"text": "the film", "beam_size": 2.0})).status_code == 200
+        for bad in (2.5, "2", float("inf")):
+            r = await client.post("/translate", content=json.dumps({"text": "a", "beam_size": bad}), headers=JSON)
+            assert_error_shape(r, 422, "invalid_request")
