@@ -1,6 +1,6 @@
 """Fuzz the API from its own OpenAPI with schemathesis: every check, 0 5xx and 0 schema violations wanted.
 
-    python benchmarks/fuzz.py [--max-examples 600] [--seed 1] [--out benchmarks/results]
+    python -m benchmarks.fuzz [--max-examples 1000] [--seed 1] [--out benchmarks/results]
 
 Serves the committed bundles (`python -m service`, both tasks, 1 ORT thread) on a free port, runs
 `schemathesis run --checks all` with benchmarks/schemathesis.toml (413 and 429 are accepted answers to
@@ -28,7 +28,7 @@ from loadtest.report import header, load_average, write_csv  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--max-examples", type=int, default=600, help="per API operation")
+    parser.add_argument("--max-examples", type=int, default=1000, help="per API operation")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
@@ -58,7 +58,9 @@ def main() -> None:
     generated = re.search(r"(\d+) generated", output)
     cases = int(generated.group(1)) if generated else 0
     failures = re.findall(r"❌ (ST\d+ [^:\n]+): (\d+)", output)
-    summary = output[output.find("SUMMARY"):] if "SUMMARY" in output else output[-3000:]
+    # schemathesis prints failures and errors in their own sections before the summary: keep those too
+    first = min((output.find(h) for h in (" ERRORS ", " FAILURES ", "SUMMARY") if h in output), default=-1)
+    summary = output[first:] if first >= 0 else output[-3000:]
     rows = [{"status": status, "responses": count} for status, count in sorted(statuses.items())]
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "fuzz.csv", rows)
