@@ -18,8 +18,9 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 from starlette.types import Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.app import create_app
+from service.app import ServiceApp, create_app
 from service.bundle import BundleError
 from service.config import Settings
 
@@ -81,6 +82,27 @@ def _quiet_startup_refusal(app: FastAPI):
     return wrapped
 
 
+def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol, except that a request refused at admission is answered right where its
+    headers are parsed, without an ASGI task: under a flood most requests are refusals, and each one costs
+    the core the model runs on."""
+
+    class AdmittingHttpToolsProtocol(HttpToolsProtocol):
+        def _start_asgi_task(self, cycle, asgi_app) -> None:
+            refusal = app.request_context.refusal(cycle.scope) if app.request_context is not None else None
+            if refusal is None:
+                super()._start_asgi_task(cycle, asgi_app)
+                return
+            cycle.response_started = cycle.response_complete = True  # its body, if any, is read and dropped
+            self.transport.write(refusal)
+            if cycle.keep_alive and not app.state.service.draining:
+                self.on_response_complete()
+            else:
+                self.transport.close()
+
+    return AdmittingHttpToolsProtocol
+
+
 def serve(app: FastAPI, settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -96,6 +118,7 @@ def serve(app: FastAPI, settings: Settings) -> None:
         log_config=None,  # keep the key=value format set above
         access_log=False,  # service.access logs each request with its X-Request-ID
         lifespan="on",  # a bundle that fails verification stops the server
+        http=_admitting_protocol(app) if isinstance(app, ServiceApp) else "auto",
         # after the drain: stop accepting, let accepted requests finish (bounded by their deadline), exit
         timeout_graceful_shutdown=settings.request_timeout_s + 5,
     )

@@ -119,8 +119,11 @@ class ServiceApp(FastAPI):
     """FastAPI with our request middleware outside the framework's own layers (error, telemetry, body-limit
     middleware), so that a request refused at admission costs a dict lookup, not a trip through all of them."""
 
+    request_context: RequestContextMiddleware | None = None  # built with the stack, on the first request
+
     def build_middleware_stack(self) -> ASGIApp:
-        return RequestContextMiddleware(super().build_middleware_stack(), state=self.state.service)
+        self.request_context = RequestContextMiddleware(super().build_middleware_stack(), state=self.state.service)
+        return self.request_context
 
     def openapi(self) -> dict[str, Any]:
         """The schema states this server's texts-per-request limit, so a client (or a fuzzer) reading it knows."""

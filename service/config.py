@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1)
     # Admission control, like text-embeddings-inference's max-concurrent-requests: requests in progress per
     # task route; one more is refused with 429 before its body is read, so refusing costs next to nothing.
-    max_concurrent_requests: int = Field(64, ge=1)
+    max_concurrent_requests: int = Field(32, ge=1)
 
     # SIGTERM: /readyz turns 503 at once and answers carry `Connection: close` for this long, so load
     # balancers and keep-alive clients move away; then the server stops accepting, finishes what it

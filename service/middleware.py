@@ -55,8 +55,7 @@ class RequestContextMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        given_id = next((value for name, value in scope["headers"] if name == b"x-request-id"), b"")
-        request_id = given_id.decode("ascii") if _valid_request_id(given_id) else next(self._new_ids)
+        request_id = self._request_id(scope)
         scope.setdefault("state", {})["request_id"] = request_id  # error bodies quote it (request.state)
         status = 0
         path = scope["path"]
@@ -118,6 +117,33 @@ class RequestContextMiddleware:
                 "request_id=%s method=%s path=%s status=%d duration_ms=%.2f client=%s",
                 request_id, scope["method"], path, status, elapsed * 1000, client[0],
             )
+
+    def refusal(self, scope: Scope) -> bytes | None:
+        """The whole HTTP/1.1 answer refusing this request at admission, or None to let it in.
+
+        uvicorn's protocol calls this before it starts an ASGI task for the request (service/__main__.py), so a
+        429 under a flood skips the task, the ASGI layers and the response machinery: it is the one answer the
+        server gives most often then. The ASGI path above checks the same limit again (in-process clients,
+        and requests let in here in the same instant).
+        """
+        path = scope["path"]
+        if scope["method"] != "POST" or path not in self.in_flight or self.in_flight[path] < self.max_concurrent:
+            return None
+        request_id = self._request_id(scope)
+        body = error_body("overloaded", self._at_capacity(path), request_id)
+        retry_after = max(1, math.ceil(self._latency_s[path]))
+        close = b"connection: close\r\n" if self.state.draining else b""
+        self.metrics.rejected.labels(path, "concurrency").inc()
+        self.metrics.requests.labels(path, "429").inc()
+        access_log.info("request_id=%s method=POST path=%s status=429 duration_ms=0.00 client=%s",
+                        request_id, path, (scope.get("client") or ("-", 0))[0])  # fmt: skip
+        return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"retry-after: %d\r\nx-request-id: %s\r\n%s\r\n" % (len(body), retry_after, request_id.encode(), close)
+                ) + body  # fmt: skip
+
+    def _request_id(self, scope: Scope) -> str:
+        given_id = next((value for name, value in scope["headers"] if name == b"x-request-id"), b"")
+        return given_id.decode("ascii") if _valid_request_id(given_id) else next(self._new_ids)
 
     @staticmethod
     def _declared_length(scope: Scope) -> int:

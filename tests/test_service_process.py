@@ -227,3 +227,39 @@ def test_sigterm_drains_keep_alive_clients_without_losing_a_request(models_dir):
     assert proc.returncode == 0, out
     assert drain_s <= exited_after < drain_s + 5, out
     assert "draining for 1.5 s" in out and "batchers drained" in out
+
+
+def test_under_uvicorn_a_refusal_at_admission_is_a_complete_429_and_the_connection_stays_usable(models_dir):
+    """The served process answers 429 from uvicorn's protocol, before any ASGI task: same shape, same headers,
+    the refused request's body is read and dropped, and the keep-alive connection serves the next request."""
+    port = free_port()
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from conftest import SlowRuntime, make_settings
+        from service.__main__ import serve
+        from service.app import create_app
+        settings = make_settings({str(models_dir)!r}, translate_model="", port={port}, max_concurrent_requests=1)
+        serve(create_app(settings, wrap_runtime=lambda runtime: SlowRuntime(runtime, 0.5)), settings)
+    """)
+    proc = start(["-c", script], port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=base, timeout=10) as first, httpx.Client(base_url=base, timeout=10) as second:
+            assert first.post("/classify", json={"text": "warm"}).status_code == 200
+            busy = threading.Thread(target=lambda: first.post("/classify", json={"text": "the film"}))
+            busy.start()
+            time.sleep(0.2)
+            refused = second.post("/classify", json={"text": "bad " * 100}, headers={"x-request-id": "r-1"})
+            busy.join()
+            assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+            assert refused.headers["x-request-id"] == "r-1"
+            error = refused.json()["error"]
+            assert error["code"] == "overloaded" and error["request_id"] == "r-1"
+            served = second.post("/classify", json={"text": "the film"})  # same keep-alive connection
+            assert served.status_code == 200
+            metrics = second.get("/metrics").text
+            assert 'linformer_rejected_requests_total{reason="concurrency",route="/classify"} 1.0' in metrics
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
