@@ -50,8 +50,8 @@ class Settings(BaseSettings):
     ort_intra_op_threads: int = Field(0, ge=0)  # 0 = ORT default (one per physical core)
     ort_inter_op_threads: int = Field(0, ge=0)
     execution_provider: Literal["auto", "cpu", "cuda"] = "auto"
-    # ORT's CPU arena keeps the peak of the largest batch ever run (a 64-text beam-8 translation took RSS from
-    # 145 to 827 MB, for good); off, memory goes back to the allocator after each run
+    # ORT's CPU arena (and its memory patterns) keep the peak of the largest batch ever run: after one 64-text
+    # beam-8 translation the idle server kept 85 MB more with it, 12 MB without (benchmarks/results/memory.md)
     ort_cpu_mem_arena: bool = False
 
     # server

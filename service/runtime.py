@@ -1,5 +1,7 @@
 """ONNX Runtime behind the one call the batcher makes: padded int64 ids + mask in, one row per text out."""
 
+import ctypes
+import ctypes.util
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +13,27 @@ log = logging.getLogger(__name__)
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
+
+# A batch this big (padded input tokens) or any translation batch is followed by `_return_freed_memory`
+BIG_BATCH_TOKENS = 1 << 16
+
+
+def _load_malloc_trim():
+    libc_name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(libc_name).malloc_trim if libc_name else None
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps the pages a big batch freed for reuse, so an idle server stays at its peak (64 MB kept after
+    one 64-text beam-8 translation with ORT's arena off: benchmarks/results/memory.md); give them back."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def _gpu_present() -> bool:
@@ -43,6 +66,9 @@ def make_session(
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = inter_op_threads
     options.enable_cpu_mem_arena = cpu_mem_arena
+    # memory patterns pre-plan and cache one block per input shape seen, which the arena-off setting is
+    # meant to avoid keeping; they go with the arena
+    options.enable_mem_pattern = cpu_mem_arena
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # errors only: warnings about unused initializers are noise here
     return ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
@@ -62,7 +88,10 @@ class ClassifierRuntime:
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask}
-        return self.session.run([self._output], feeds)[0]
+        logits = self.session.run([self._output], feeds)[0]
+        if input_ids.size >= BIG_BATCH_TOKENS:
+            _return_freed_memory()
+        return logits
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -119,10 +148,14 @@ class TranslatorRuntime:
         max_new_tokens = min(max_new_tokens, self.tgt_n_max)
         between_steps = between_steps or (lambda: None)
         cross = self.encoder.run(self.cross_names, {"input_ids": input_ids, "attention_mask": attention_mask})
-        if beam_size == 1:
-            return self.greedy(cross, max_new_tokens, between_steps)
-        beams = [np.repeat(t, beam_size, axis=0) for t in cross]
-        return self.beam_search(beams, beam_size, max_new_tokens, between_steps)
+        try:
+            if beam_size == 1:
+                return self.greedy(cross, max_new_tokens, between_steps)
+            beams = [np.repeat(t, beam_size, axis=0) for t in cross]
+            return self.beam_search(beams, beam_size, max_new_tokens, between_steps)
+        finally:
+            del cross
+            _return_freed_memory()  # a decode allocates per step; trimming costs ~1 ms against tens of ms
 
     def _step(self, tokens: np.ndarray, cross: list[np.ndarray], past: list[np.ndarray]):
         """(rows, 1) new tokens -> log-probabilities of the next token (rows, V) and the grown cache."""
