@@ -29,6 +29,7 @@ class Record:
     due_s: float  # when the request was due, seconds from the start of the run
     latency_s: float  # due -> answer read (or error)
     status: int  # 0: transport error, no answer
+    lag_s: float = 0.0  # due -> written to a connection: the generator's own delay (or waiting for a connection)
 
 
 def free_port() -> int:
@@ -91,9 +92,15 @@ class Server:
         return code
 
 
+# uvicorn closes a keep-alive connection idle for 5 s; like any HTTP client pool, ours drops idle connections
+# before that instead of racing the server's close (which would count as a transport error here)
+IDLE_LIMIT_S = 4.0
+
+
 class Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader, self.writer = reader, writer
+        self.idle_since = time.monotonic()
 
     @classmethod
     async def open(cls, port: int) -> Connection:
@@ -115,6 +122,7 @@ class Connection:
             elif name == b"connection" and value.strip().lower() == b"close":
                 closing = True
         await self.reader.readexactly(length)
+        self.idle_since = time.monotonic()
         return status, closing
 
     def close(self) -> None:
@@ -136,16 +144,21 @@ async def open_loop(port: int, request: bytes, phases: list[tuple[float, float]]
             while not idle and opened >= max_connections:
                 await available.wait()
             conn = idle.pop() if idle else None
+            while conn is not None and time.monotonic() - conn.idle_since > IDLE_LIMIT_S:
+                conn.close()
+                opened -= 1
+                conn = idle.pop() if idle else None
             if conn is None:
                 opened += 1
         status = 0
+        lag = time.perf_counter() - started - due
         try:
             if conn is None:
                 conn = await Connection.open(port)
             status, closing = await conn.exchange(request)
         except (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError):
             closing = True
-        records.append(Record(due, time.perf_counter() - started - due, status))
+        records.append(Record(due, time.perf_counter() - started - due, status, lag))
         async with available:
             if closing:
                 if conn is not None:

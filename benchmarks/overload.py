@@ -48,6 +48,7 @@ def summarise(records: list[Record], seconds: float) -> dict:
         "p50_ms": percentile(ok, 50) * 1000, "p99_ms": percentile(ok, 99) * 1000,
         "rejected_429": sum(r.status == 429 for r in records),
         "errors_5xx": sum(r.status >= 500 for r in records), "transport_errors": sum(r.status == 0 for r in records),
+        "generator_lag_p99_ms": percentile([r.lag_s for r in records], 99) * 1000,
     }  # fmt: skip
 
 
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=3.0, help="flood rate / saturated throughput")
     parser.add_argument("--concurrencies", default="8,32,64", help="closed-loop clients for the saturation run")
     parser.add_argument("--setting", action="append", default=[], help="extra LINFORMER_X=value for the server")
+    parser.add_argument("--stem", help="results file name (default overload-<bundle>)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
     load_before = load_average()
@@ -156,7 +158,7 @@ def main() -> None:
          not any(r.status == 0 or r.status >= 500 for r in records)),
         ("recovery after the flood (s)", recovery, "< 2", recovery is not None and recovery < 2),
     ]  # fmt: skip
-    stem = f"overload-{args.bundle}"
+    stem = args.stem or f"overload-{args.bundle}"
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{stem}.csv", rows)
     plot(rows, (0, args.seconds), saturated_rps, unloaded_p99, args.out / f"{stem}.png",
@@ -184,7 +186,8 @@ def main() -> None:
         "",
         f"During the flood: {flood['requests']} requests, {flood['ok']} answered 200 ({flood['throughput_rps']:.0f}/s),"
         f" {flood['rejected_429']} refused with 429, {flood['errors_5xx']} 5xx, {flood['transport_errors']} "
-        f"transport errors; p50 / p99 of the 200s {flood['p50_ms']:.1f} / {flood['p99_ms']:.1f} ms. Server RSS "
+        f"transport errors; p50 / p99 of the 200s {flood['p50_ms']:.1f} / {flood['p99_ms']:.1f} ms (the "
+        f"generator's own delay in sending, p99: {flood['generator_lag_p99_ms']:.1f} ms). Server RSS "
         f"{rss_before:.0f} MB before, {rss_after:.0f} MB after; exit code on SIGTERM {exit_code}.",
         "",
         "| goal | measured | target | met |",
