@@ -1,6 +1,6 @@
 """Rolling-restart benchmark: SIGTERM one replica under keep-alive load and count the requests lost.
 
-    python benchmarks/drain.py [--runs 10] [--clients 128] [--drain-s 5] [--compare-drain-s 0] [--out DIR]
+    python -m benchmarks.drain [--runs 10] [--clients 128] [--drain-s 5] [--compare-drain-s 0] [--out DIR]
 
 Two replicas of `python -m service` (the committed classify bundle): A is stopped with SIGTERM, B stays up.
 `--clients` keep-alive clients (closed loop, one connection each) send /classify to A, as behind a load

@@ -43,7 +43,7 @@ def main() -> None:
             schemathesis, "--config-file", str(REPO / "benchmarks" / "schemathesis.toml"), "run",
             f"http://127.0.0.1:{port}/openapi.json", "--checks", "all", "--max-examples", str(args.max_examples),
             "--seed", str(args.seed), "--workers", "2", "--request-timeout", "60", "--no-color",
-            "--report", "ndjson", "--report-dir", reports,
+            "--report", "ndjson", "--report-dir", reports, "--generation-database", "none",
         ]  # fmt: skip
         try:
             done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)

@@ -1,6 +1,6 @@
 """Overload benchmark: does the service keep serving under a flood at 3x its saturated throughput?
 
-    python benchmarks/overload.py [--bundle classify-linformer] [--seconds 20] [--factor 3] [--out benchmarks/results]
+    python -m benchmarks.overload [--bundle classify-linformer] [--seconds 20] [--factor 3] [--setting K=V]
 
 The server (`python -m service`, default settings, 1 ORT thread) is pinned to core 0 with `taskset`; this
 load generator pins itself to core 1. Steps:
