@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -58,6 +58,16 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+
+    @model_validator(mode="after")
+    def _one_request_fits_an_empty_queue(self) -> "Settings":
+        # otherwise a request within the per-request limits would get 429 forever, with a Retry-After that lies
+        if self.max_texts_per_request > self.max_queue:
+            raise ValueError(f"MAX_TEXTS_PER_REQUEST={self.max_texts_per_request} exceeds MAX_QUEUE={self.max_queue}")
+        if self.max_decode_tokens_per_request > self.max_queued_decode_tokens:
+            raise ValueError(f"MAX_DECODE_TOKENS_PER_REQUEST={self.max_decode_tokens_per_request} exceeds "
+                             f"MAX_QUEUED_DECODE_TOKENS={self.max_queued_decode_tokens}")  # fmt: skip
+        return self
 
     @field_validator("log_level", mode="before")
     @classmethod

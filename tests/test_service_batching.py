@@ -75,7 +75,7 @@ async def test_a_full_batch_goes_without_waiting(models_dir):
 
 
 async def test_flood_beyond_the_queue_gets_429_with_retry_after(models_dir):
-    settings = make_settings(models_dir, max_queue=3, max_batch_size=1)
+    settings = make_settings(models_dir, max_queue=3, max_texts_per_request=3, max_batch_size=1)
     async with running_service(settings, wrap_runtime=lambda rt: SlowRuntime(rt, 0.1)) as client:
         flood = [client.post("/classify", json={"text": "the film"}) for _ in range(12)]
         responses = await asyncio.gather(*flood)

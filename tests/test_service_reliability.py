@@ -261,7 +261,8 @@ async def test_translate_queue_is_bounded_by_decode_tokens_not_requests(translat
     from service.app import create_app
     from service.batcher import Batcher, QueueFull
 
-    app = create_app(make_settings(translate_root, classify_model="", max_queued_decode_tokens=40))
+    app = create_app(make_settings(translate_root, classify_model="", max_queued_decode_tokens=40,
+                                   max_decode_tokens_per_request=40))
     async with app.router.lifespan_context(app):
         assert app.state.service.models["translate"].batcher.max_queue == 40
 
@@ -367,3 +368,12 @@ async def test_an_integral_float_is_an_integer_as_in_json_schema(translate_root)
         for bad in (2.5, "2", float("inf")):
             r = await client.post("/translate", content=json.dumps({"text": "a", "beam_size": bad}), headers=JSON)
             assert_error_shape(r, 422, "invalid_request")
+
+
+def test_settings_where_one_allowed_request_cannot_fit_an_empty_queue_are_refused(models_dir):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="MAX_TEXTS_PER_REQUEST=64 exceeds MAX_QUEUE=10"):
+        make_settings(models_dir, max_queue=10)
+    with pytest.raises(ValidationError, match="exceeds MAX_QUEUED_DECODE_TOKENS=1000"):
+        make_settings(models_dir, max_queued_decode_tokens=1000)
