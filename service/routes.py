@@ -131,12 +131,15 @@ async def classify(body: ClassifyRequest, request: Request, state: State):
 
 def _check_decode_budget(model: ModelService, texts: int, beam_size: int, max_new_tokens: int, limit: int) -> int:
     """Decode work per text (beam_size x max_new_tokens, as the runtime caps it); 413 if the request asks too much."""
-    per_text = beam_size * min(max_new_tokens, int(model.bundle.config.get("tgt_n_max", max_new_tokens)))
+    new_tokens = min(max_new_tokens, int(model.bundle.config.get("tgt_n_max", max_new_tokens)))
+    per_text = beam_size * new_tokens
     if texts * per_text > limit:
+        asked = max_new_tokens
+        capped = f" (asked {asked}, capped at the model's target length)" if new_tokens < asked else ""
         raise ServiceError(
             413, "budget_exceeded",
-            f"this request asks for {texts} texts x beam_size {beam_size} x max_new_tokens "
-            f"{per_text // beam_size} = {texts * per_text} decode tokens, over this server's limit of {limit} "
+            f"this request asks for {texts} texts x beam_size {beam_size} x max_new_tokens {new_tokens}{capped} = "
+            f"{texts * per_text} decode tokens, over this server's limit of {limit} "
             "per request (LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST); send fewer texts, a smaller beam or a "
             "smaller max_new_tokens",
         )
