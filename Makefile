@@ -53,6 +53,22 @@ quickstart:
 bench-service: $(STAMP)
 	$(PY) benchmarks/service_bench.py --bundle models/classify-linformer
 
+# Reliability (issue #12); each writes its results under benchmarks/results/. The load generator pins itself
+# to core 1 and the server to core 0 (taskset).
+.PHONY: fuzz soak overload
+$(VENV)/.fuzz-installed: $(STAMP)
+	$(PY) -m pip install -q -e ".[fuzz]"
+	touch $@
+
+fuzz: $(VENV)/.fuzz-installed
+	$(PY) -m benchmarks.fuzz
+
+soak: $(STAMP)
+	$(PY) -m benchmarks.soak
+
+overload: $(STAMP)
+	$(PY) -m benchmarks.overload
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 

@@ -1,16 +1,30 @@
-"""`python -m service [--host --port --models-dir]` (or `linformer-serve`): run the API under uvicorn."""
+"""`python -m service [--host --port --models-dir]` (or `linformer-serve`): run the API under uvicorn.
+
+SIGTERM starts a drain: /readyz answers 503 at once and every answer carries `Connection: close`, for
+`drain_s` seconds, while the server keeps serving (a load balancer needs a moment to notice, and keep-alive
+clients learn from the header to reconnect elsewhere rather than racing a closing socket). Then uvicorn stops
+accepting, lets accepted requests finish (at most `request_timeout_s`, their deadline), the batchers finish
+their queues, and the process exits 0. A second SIGTERM, or SIGINT, skips the drain.
+"""
 
 import argparse
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.app import create_app
+from service.app import ServiceApp, create_app
+from service.bundle import BundleError
 from service.config import Settings
+
+log = logging.getLogger("service")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,6 +39,70 @@ def main(argv: list[str] | None = None) -> None:
     serve(create_app(settings), settings)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM drains for `drain_s` before the usual graceful shutdown."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_s: float):
+        super().__init__(config)
+        self.app, self.drain_s = app, drain_s
+        self.drain_ends: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self.drain_ends is None and self.drain_s > 0:
+            self._captured_signals.append(sig)  # uvicorn re-raises it after shutting down: exit code below
+            self.drain_ends = time.monotonic() + self.drain_s
+            self.app.state.service.draining = True  # /readyz 503 and `Connection: close` from now on
+            log.info("SIGTERM: draining for %g s (readyz 503, Connection: close), then shutting down", self.drain_s)
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_ends is not None and time.monotonic() >= self.drain_ends:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def _quiet_startup_refusal(app: FastAPI):
+    """A refused bundle is already logged as one clear ERROR line; without this, uvicorn logs the traceback
+    Starlette passes along with `lifespan.startup.failed` (25 lines that say nothing more)."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await app(scope, receive, send)
+            return
+
+        async def send_without_traceback(message: Message) -> None:
+            # Starlette sends startup.failed from inside its `except`, so the exception being handled is ours
+            if message["type"] == "lifespan.startup.failed" and isinstance(sys.exc_info()[1], BundleError):
+                message = {**message, "message": ""}
+            await send(message)
+
+        await app(scope, receive, send_without_traceback)
+
+    return wrapped
+
+
+def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol, except that a request refused at admission is answered right where its
+    headers are parsed, without an ASGI task: under a flood most requests are refusals, and each one costs
+    the core the model runs on."""
+
+    class AdmittingHttpToolsProtocol(HttpToolsProtocol):
+        def _start_asgi_task(self, cycle, asgi_app) -> None:
+            refusal = app.request_context.refusal(cycle.scope) if app.request_context is not None else None
+            if refusal is None:
+                super()._start_asgi_task(cycle, asgi_app)
+                return
+            cycle.response_started = cycle.response_complete = True  # its body, if any, is read and dropped
+            self.transport.write(refusal)
+            if cycle.keep_alive and not app.state.service.draining:
+                self.on_response_complete()
+            else:
+                self.transport.close()
+
+    return AdmittingHttpToolsProtocol
+
+
 def serve(app: FastAPI, settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -32,20 +110,25 @@ def serve(app: FastAPI, settings: Settings) -> None:
     )
     # uvicorn drains on SIGTERM, then re-raises the signal; a completed graceful stop should exit 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    config = uvicorn.Config(
+        _quiet_startup_refusal(app),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=None,  # keep the key=value format set above
+        access_log=False,  # service.access logs each request with its X-Request-ID
+        lifespan="on",  # a bundle that fails verification stops the server
+        http=_admitting_protocol(app) if isinstance(app, ServiceApp) else "auto",
+        # after the drain: stop accepting, let accepted requests finish (bounded by their deadline), exit
+        timeout_graceful_shutdown=settings.request_timeout_s + 5,
+    )
+    server = DrainingServer(config, app, settings.drain_s)
     try:
-        uvicorn.run(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
-            log_config=None,  # keep the key=value format set above
-            access_log=False,  # service.access logs each request with its X-Request-ID
-            lifespan="on",  # a bundle that fails verification stops the server
-            # SIGTERM: stop accepting, let accepted requests finish (bounded by their deadline), exit
-            timeout_graceful_shutdown=settings.request_timeout_s + 5,
-        )
+        server.run()
     except KeyboardInterrupt:
         sys.exit(130)
+    if not server.started:
+        sys.exit(3)  # start-up failed: exit as uvicorn.run would (Server.run only returns)
 
 
 if __name__ == "__main__":

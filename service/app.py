@@ -1,4 +1,9 @@
-"""create_app(settings): load and verify bundles at start-up, serve them, drain the batchers at shutdown."""
+"""create_app(settings): load and verify bundles at start-up, serve them, drain the batchers at shutdown.
+
+A configured bundle that is missing leaves the server up but not ready (/readyz 503 naming the model), so an
+orchestrator never routes to it; a bundle that exists but fails verification refuses the start (BundleError).
+An empty model name means the task is not configured at all.
+"""
 
 import logging
 from collections.abc import Callable
@@ -11,11 +16,13 @@ import swagger_ui_bundle
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.staticfiles import StaticFiles
+from starlette.types import ASGIApp
 
 from service.batcher import Batcher
 from service.bundle import Bundle, BundleError, load_bundle
 from service.config import Settings
 from service.deps import ModelService, ServiceState
+from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
 from service.routes import router
@@ -33,7 +40,8 @@ def make_runtime(bundle: Bundle, providers: list[str], settings: Settings):
 
     def session(role: str):
         return make_session(bundle.onnx_path(role), providers, intra_op_threads=settings.ort_intra_op_threads,
-                            inter_op_threads=settings.ort_inter_op_threads)  # fmt: skip
+                            inter_op_threads=settings.ort_inter_op_threads,
+                            cpu_mem_arena=settings.ort_cpu_mem_arena)  # fmt: skip
 
     ids, mask = np.full((1, 8), bundle.eos_id, dtype=np.int64), np.ones((1, 8), dtype=np.int64)
     if bundle.task == "translate":
@@ -50,41 +58,47 @@ def make_runtime(bundle: Bundle, providers: list[str], settings: Settings):
     return runtime
 
 
-def load_models(
-    settings: Settings, metrics: Metrics, wrap_runtime: RuntimeWrapper | None = None
-) -> ServiceState:
-    """Missing bundles are fine (their routes answer 503); a bundle that fails verification is not."""
-    state = ServiceState(settings=settings, metrics=metrics)
+def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None) -> None:
+    """Fill `state.models`; a missing bundle goes to `state.unavailable`, a bundle failing verification raises."""
+    settings, metrics = state.settings, state.metrics
     providers = choose_providers(settings.execution_provider)
     log.info(
         "execution provider: %s (requested %s; onnxruntime %s offers %s)",
         providers[0], settings.execution_provider, ort.__version__, ort.get_available_providers(),
     )
     for task, name in (("classify", settings.classify_model), ("translate", settings.translate_model)):
+        if not name:
+            log.info("no %s model configured (LINFORMER_%s_MODEL is empty): /%s answers 503",
+                     task, task.upper(), task)  # fmt: skip
+            state.unavailable[task] = f"this server is not configured to {task}"
+            continue
         path = settings.models_dir / name
         if not path.exists():
-            state.unavailable[task] = (
-                f"no {task} model yet: expected a bundle at {path}; export one into "
-                f"{settings.models_dir}/ (or set LINFORMER_MODELS_DIR) and restart"
-            )
-            log.warning("%s", state.unavailable[task])
+            # the path goes to the log only: clients learn the model's name, not the server's file layout
+            log.error("%s model %r is not available: no bundle at %s; export one into %s/ (or set "
+                      "LINFORMER_MODELS_DIR) and restart", task, name, path, settings.models_dir)  # fmt: skip
+            state.unavailable[task] = f"the {task} model {name!r} is not available on this server"
+            state.failed[task] = name
             continue
         bundle = load_bundle(path)
         if bundle.task != task:
             raise BundleError(f"bundle {path} is a {bundle.task!r} bundle, configured as the {task} model")
-        tokenizer = Tokenizer.from_bundle(bundle)
         if bundle.n_max > settings.max_batch_tokens:
             log.warning("n_max=%d exceeds MAX_BATCH_TOKENS=%d: long texts run alone in oversized batches",
                         bundle.n_max, settings.max_batch_tokens)
-        runtime = make_runtime(bundle, providers, settings)
+        try:  # files that match their manifest can still be unusable (exported by a newer ORT, say)
+            tokenizer = Tokenizer.from_bundle(bundle)
+            runtime = make_runtime(bundle, providers, settings)
+        except Exception as e:
+            raise BundleError(f"bundle {path} verified but cannot be loaded: {type(e).__name__}: {e}") from e
         runner = wrap_runtime(runtime) if wrap_runtime else runtime
         if task == "translate":  # options = (beam_size, max_new_tokens): the batcher groups equal ones
 
-            def run_batch(input_ids, attention_mask, options, runner=runner):
-                return runner.run(input_ids, attention_mask, options)
-        else:
+            def run_batch(input_ids, attention_mask, options, stop_if_abandoned, runner=runner):
+                return runner.run(input_ids, attention_mask, options, stop_if_abandoned)
+        else:  # one ORT call: nothing to stop half-way
 
-            def run_batch(input_ids, attention_mask, _options, runner=runner):
+            def run_batch(input_ids, attention_mask, _options, _stop_if_abandoned, runner=runner):
                 return runner.run(input_ids, attention_mask)
 
         batcher = Batcher(
@@ -94,7 +108,7 @@ def load_models(
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
             max_wait_s=settings.max_wait_ms / 1000,
-            max_queue=settings.max_queue,
+            max_queue=settings.max_queued_decode_tokens if task == "translate" else settings.max_queue,
             metrics=metrics,
         )
         state.models[task] = ModelService(bundle, tokenizer, batcher, execution_provider=runtime.provider)
@@ -102,7 +116,26 @@ def load_models(
             "serving %s: task=%s attention=%s n_max=%d k=%s from %s on %s",
             bundle.name, bundle.task, bundle.attention, bundle.n_max, bundle.k, path, runtime.provider,
         )
-    return state
+
+
+class ServiceApp(FastAPI):
+    """FastAPI with our request middleware outside the framework's own layers (error, telemetry, body-limit
+    middleware), so that a request refused at admission costs a dict lookup, not a trip through all of them."""
+
+    request_context: RequestContextMiddleware | None = None  # built with the stack, on the first request
+
+    def build_middleware_stack(self) -> ASGIApp:
+        self.request_context = RequestContextMiddleware(super().build_middleware_stack(), state=self.state.service)
+        return self.request_context
+
+    def openapi(self) -> dict[str, Any]:
+        """The schema states this server's texts-per-request limit, so a client (or a fuzzer) reading it knows."""
+        if self.openapi_schema is None:
+            schema = super().openapi()
+            for name in ("ClassifyRequest", "TranslateRequest"):
+                texts = schema["components"]["schemas"][name]["properties"]["texts"]
+                texts["maxItems"] = self.state.service.settings.max_texts_per_request
+        return self.openapi_schema
 
 
 SWAGGER_ASSETS = "/docs/assets"
@@ -125,16 +158,15 @@ def add_offline_docs(app: FastAPI) -> None:
 
 def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper | None = None) -> FastAPI:
     settings = settings or Settings()
-    metrics = Metrics()
+    state = ServiceState(settings=settings, metrics=Metrics())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
-            state = load_models(settings, metrics, wrap_runtime)
+            load_models(state, wrap_runtime)
         except BundleError as e:
             log.error("refusing to start: %s", e)
             raise
-        app.state.service = state
         batchers = [m.batcher for m in state.models.values() if m.batcher is not None]
         for batcher in batchers:
             batcher.start()
@@ -144,7 +176,7 @@ def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper
             await batcher.close()
         log.info("batchers drained, shutting down")
 
-    app = FastAPI(
+    app = ServiceApp(
         title="linformer-serve",
         summary="Linformer classification and translation over ONNX Runtime, with dynamic batching.",
         version="0.1.0",
@@ -152,7 +184,8 @@ def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper
         docs_url=None,  # FastAPI's own /docs loads Swagger UI from a CDN; ours serves it (below)
         redoc_url=None,  # ReDoc has no packaged assets here, and a page that needs the internet is worse than none
     )
+    app.state.service = state  # routes reach it through service.deps.get_state; serve() sets `draining`
     app.include_router(router)
     add_offline_docs(app)
-    app.add_middleware(RequestContextMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes)
+    install_error_handlers(app)
     return app

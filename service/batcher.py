@@ -6,12 +6,17 @@ across batches. The worker forms a batch from the oldest live item plus the queu
 it in length, within `max_batch_size` items and `max_batch_tokens` padded tokens (batch x longest).
 A batch is sent as soon as it is full or the runtime is free and the oldest item has waited
 `max_wait_s`; while the runtime computes, new items queue and make the next batch. Items whose
-request is gone (client disconnected, deadline passed) are dropped before compute. The queue is
-bounded (QueueFull -> 429). The runtime call runs in a worker thread, off the event loop.
+request is gone (client disconnected, deadline passed) are dropped before compute, and a runtime that
+works step by step (translation) stops a batch whose requests are all gone or past their deadline: it
+calls `stop_if_abandoned` between steps. The queue is bounded by cost (QueueFull -> 429): each text
+costs `cost` units, 1 for a classification, beam_size x max_new_tokens for a translation, so admission
+follows the work asked for rather than the request count; Retry-After is the queued cost over the
+recent throughput in cost per second. A runtime error fails only its batch's requests (BatchFailed).
+The runtime call runs in a worker thread, off the event loop.
 
-The batcher knows nothing about the task: `run_batch(input_ids, attention_mask, options)` returns one
-output per row. Items are only batched with items of equal `options` (e.g. a translation request's
-beam size), so a translation runtime plugs in without changing this file.
+The batcher knows nothing about the task: `run_batch(input_ids, attention_mask, options,
+stop_if_abandoned)` returns one output per row. Items are only batched with items of equal `options`
+(e.g. a translation request's beam size), so a translation runtime plugs in without changing this file.
 """
 
 import asyncio
@@ -29,7 +34,7 @@ from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-RunBatch = Callable[[np.ndarray, np.ndarray, Hashable], Sequence[Any]]
+RunBatch = Callable[[np.ndarray, np.ndarray, Hashable, Callable[[], None]], Sequence[Any]]
 
 
 class QueueFull(Exception):
@@ -46,6 +51,14 @@ class ShuttingDown(Exception):
     pass
 
 
+class BatchFailed(Exception):
+    """The runtime raised on the batch this request's texts were in (the cause is logged, not shown)."""
+
+
+class BatchAbandoned(Exception):
+    """Raised by `stop_if_abandoned` inside the runtime: nobody waits for this batch any more."""
+
+
 @dataclass(eq=False)
 class _Item:
     ids: list[int]
@@ -53,6 +66,7 @@ class _Item:
     future: asyncio.Future
     enqueued_at: float  # time.monotonic()
     deadline: float  # time.monotonic()
+    cost: int = 1  # what it counts for against max_queue
     length: int = field(init=False)
 
     def __post_init__(self):
@@ -72,6 +86,7 @@ class Batcher:
         max_queue: int,
         metrics: Metrics | None = None,
     ):
+        """`max_queue` bounds the summed `cost` of the items waiting (texts, when every cost is 1)."""
         self.run_batch = run_batch
         self.name = name
         self.pad_id = pad_id
@@ -86,7 +101,8 @@ class Batcher:
         self._worker: asyncio.Task | None = None
         # one thread: batches of a model run one at a time, ORT's intra-op threads use the cores
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{name}")
-        self._batch_seconds = 0.0  # moving average, for Retry-After
+        self._queued_cost = 0
+        self._cost_per_s = 0.0  # moving average of cost computed per second of compute, for Retry-After
 
     # ---- request side (event loop) ----
 
@@ -105,20 +121,22 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    async def submit(self, token_ids: list[list[int]], *, timeout_s: float, options: Hashable = None) -> list:
-        """Queue one request's texts; return one output per text, in order.
+    async def submit(
+        self, token_ids: list[list[int]], *, timeout_s: float, options: Hashable = None, cost: int = 1
+    ) -> list:
+        """Queue one request's texts, each costing `cost`; return one output per text, in order.
 
-        Raises QueueFull, DeadlineExceeded or ShuttingDown. If the caller is cancelled (its client went
-        away), its items are dropped before compute.
+        Raises QueueFull, DeadlineExceeded, ShuttingDown or BatchFailed. If the caller is cancelled (its
+        client went away), its items are dropped before compute.
         """
         if self._closing:
             raise ShuttingDown()
         self._drop_finished()
-        if len(self._queue) + len(token_ids) > self.max_queue:
+        if self._queued_cost + cost * len(token_ids) > self.max_queue:
             raise QueueFull(self._retry_after_s())
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        items = [_Item(ids, options, loop.create_future(), now, now + timeout_s) for ids in token_ids]
+        items = [_Item(ids, options, loop.create_future(), now, now + timeout_s, cost) for ids in token_ids]
         self._queue.extend(items)
         self._set_depth()
         self._wakeup.set()
@@ -136,8 +154,9 @@ class Batcher:
                 future.cancel()
 
     def _retry_after_s(self) -> int:
-        batches_ahead = math.ceil(len(self._queue) / self.max_batch_size)
-        return max(1, math.ceil(batches_ahead * self._batch_seconds))
+        if self._cost_per_s <= 0:
+            return 1
+        return max(1, math.ceil(self._queued_cost / self._cost_per_s))
 
     # ---- worker side (event loop; compute in the executor thread) ----
 
@@ -205,24 +224,42 @@ class Batcher:
         if self.metrics:
             for item in batch:
                 self.metrics.queue_wait.labels(self.name).observe(started - item.enqueued_at)
+
+        def stop_if_abandoned() -> None:  # called from the compute thread; reads only futures' done flags
+            now = time.monotonic()
+            if all(item.future.done() or item.deadline <= now for item in batch):
+                raise BatchAbandoned()
+
         loop = asyncio.get_running_loop()
         try:
             outputs = await loop.run_in_executor(
-                self._executor, self._pad_and_run, [item.ids for item in batch], batch[0].options
+                self._executor, self._pad_and_run, [item.ids for item in batch], batch[0].options, stop_if_abandoned
             )
-        except Exception as e:  # a runtime failure fails this batch's requests, not the server
+        except BatchAbandoned:
+            log.info("model=%s batch of %d stopped: all its requests are gone or past their deadline",
+                     self.name, len(batch))  # fmt: skip
+            self._count_dropped("abandoned", len(batch))
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(DeadlineExceeded())
+            return
+        except Exception:  # a runtime failure fails this batch's requests, not the server
             log.exception("model=%s batch of %d failed", self.name, len(batch))
             for item in batch:
                 if not item.future.done():
-                    item.future.set_exception(e)
+                    item.future.set_exception(BatchFailed())
             return
         elapsed = time.monotonic() - started
-        self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * elapsed
+        if elapsed > 0:
+            rate = sum(item.cost for item in batch) / elapsed
+            self._cost_per_s = rate if self._cost_per_s == 0 else 0.8 * self._cost_per_s + 0.2 * rate
         for item, output in zip(batch, outputs, strict=True):
             if not item.future.done():
                 item.future.set_result(output)
 
-    def _pad_and_run(self, sequences: list[list[int]], options: Hashable) -> Sequence[Any]:
+    def _pad_and_run(
+        self, sequences: list[list[int]], options: Hashable, stop_if_abandoned: Callable[[], None]
+    ) -> Sequence[Any]:
         longest = max(map(len, sequences))
         input_ids = np.full((len(sequences), longest), self.pad_id, dtype=np.int64)
         attention_mask = np.zeros((len(sequences), longest), dtype=np.int64)
@@ -230,7 +267,7 @@ class Batcher:
             input_ids[row, : len(ids)] = ids
             attention_mask[row, : len(ids)] = 1
         started = time.perf_counter()
-        outputs = self.run_batch(input_ids, attention_mask, options)
+        outputs = self.run_batch(input_ids, attention_mask, options, stop_if_abandoned)
         if self.metrics:
             self.metrics.observe_batch(
                 self.name,
@@ -242,9 +279,10 @@ class Batcher:
         return outputs
 
     def _set_depth(self) -> None:
+        self._queued_cost = sum(item.cost for item in self._queue)
         if self.metrics:
             self.metrics.queue_depth.labels(self.name).set(len(self._queue))
 
-    def _count_dropped(self, reason: str) -> None:
+    def _count_dropped(self, reason: str, texts: int = 1) -> None:
         if self.metrics:
-            self.metrics.dropped.labels(self.name, reason).inc()
+            self.metrics.dropped.labels(self.name, reason).inc(texts)

@@ -3,14 +3,15 @@
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LINFORMER_", extra="ignore")
 
-    # where bundles live: models/<CLASSIFY_MODEL>/, models/<TRANSLATE_MODEL>/ (relative to the cwd)
+    # where bundles live: models/<CLASSIFY_MODEL>/, models/<TRANSLATE_MODEL>/ (relative to the cwd).
+    # An empty name means the task is not configured: its route answers 503 and /readyz does not wait for it.
     models_dir: Path = Path("models")
     classify_model: str = "classify-linformer"
     translate_model: str = "translate-linformer"
@@ -23,21 +24,50 @@ class Settings(BaseSettings):
     # max_queue_delay, 0 by default: under load batches still form from the texts that queue up while
     # the previous batch computes; a positive value trades single-user latency for fuller batches.
     max_wait_ms: float = Field(0.0, ge=0)
-    # texts waiting per model; beyond it requests get 429
+    # texts waiting for the classifier; beyond it requests get 429
     max_queue: int = Field(256, ge=1)
+    # Translation costs per generated token, so its queue is bounded by decode work, not by texts:
+    # the sum of beam_size x max_new_tokens over the texts waiting; beyond it requests get 429.
+    max_queued_decode_tokens: int = Field(65536, ge=1)
+    # One /translate request may ask for at most this much decode work (texts x beam_size x max_new_tokens,
+    # max_new_tokens capped at the bundle's target length); more -> 413 naming the limit.
+    max_decode_tokens_per_request: int = Field(16384, ge=1)
+    # deadline for an answer, queue wait and compute: queued texts past it are not computed, and a
+    # translation batch whose requests are all gone or past it stops decoding
     request_timeout_s: float = Field(30.0, gt=0)
     max_texts_per_request: int = Field(64, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1)
+    # Admission control, like text-embeddings-inference's max-concurrent-requests: requests in progress per
+    # task route; one more is refused with 429 before its body is read, so refusing costs next to nothing.
+    max_concurrent_requests: int = Field(32, ge=1)
+
+    # SIGTERM: /readyz turns 503 at once and answers carry `Connection: close` for this long, so load
+    # balancers and keep-alive clients move away; then the server stops accepting, finishes what it
+    # accepted (up to request_timeout_s more) and exits 0.
+    drain_s: float = Field(5.0, ge=0)
 
     # ONNX Runtime
     ort_intra_op_threads: int = Field(0, ge=0)  # 0 = ORT default (one per physical core)
     ort_inter_op_threads: int = Field(0, ge=0)
     execution_provider: Literal["auto", "cpu", "cuda"] = "auto"
+    # ORT's CPU arena (and its memory patterns) keep the peak of the largest batch ever run: after one 64-text
+    # beam-8 translation the idle server kept 85 MB more with it, 12 MB without (benchmarks/results/memory.md)
+    ort_cpu_mem_arena: bool = False
 
     # server
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+
+    @model_validator(mode="after")
+    def _one_request_fits_an_empty_queue(self) -> "Settings":
+        # otherwise a request within the per-request limits would get 429 forever, with a Retry-After that lies
+        if self.max_texts_per_request > self.max_queue:
+            raise ValueError(f"MAX_TEXTS_PER_REQUEST={self.max_texts_per_request} exceeds MAX_QUEUE={self.max_queue}")
+        if self.max_decode_tokens_per_request > self.max_queued_decode_tokens:
+            raise ValueError(f"MAX_DECODE_TOKENS_PER_REQUEST={self.max_decode_tokens_per_request} exceeds "
+                             f"MAX_QUEUED_DECODE_TOKENS={self.max_queued_decode_tokens}")  # fmt: skip
+        return self
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -42,7 +42,9 @@ class Metrics:
             "linformer_dropped_texts", "Queued texts dropped before compute", ["model", "reason"], registry=r
         )
         self.rejected = Counter(
-            "linformer_rejected_requests", "Requests refused with 429 (queue full)", ["model"], registry=r
+            "linformer_rejected_requests",
+            "Requests refused with 429: reason concurrency (admission, before the body is read) or queue_full",
+            ["route", "reason"], registry=r,
         )
 
     def observe_batch(

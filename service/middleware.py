@@ -1,43 +1,74 @@
-"""Per-request plumbing as plain ASGI: request id, body size limit, access log, request metrics."""
+"""Per-request plumbing as plain ASGI: request id, admission control, body size limit, drain, access log, metrics.
 
-import json
+Everything here runs before FastAPI reads or parses the body, so refusing a request (429 at capacity, 413
+too large) costs a few microseconds instead of a JSON parse, validation and tokenisation: under a flood
+the process keeps its CPU for the requests it accepted.
+"""
+
+import itertools
 import logging
-import re
+import math
+import os
 import time
-import uuid
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.metrics import Metrics
+from service.deps import ServiceState
+from service.errors import error_body
 
 access_log = logging.getLogger("service.access")
+log = logging.getLogger(__name__)
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")  # echoed only if harmless in a header and a log
+_REQUEST_ID_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
+# routes whose requests reach a model: only these are admission-controlled
+TASK_PATHS = ("/classify", "/translate")
+
+
+def _valid_request_id(given: bytes) -> bool:  # echoed only if harmless in a header and a log
+    return 0 < len(given) <= 128 and all(byte in _REQUEST_ID_CHARS for byte in given)
+
+
+def _request_ids():
+    """32 hex characters, unique per process start and request: a random prefix and a counter. uuid4 reads
+    the OS's randomness for every request, a syscall that showed as 4 % of the server's time under a flood."""
+    prefix = os.urandom(8).hex()
+    return (f"{prefix}{n:016x}" for n in itertools.count())
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, *, metrics: Metrics, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, *, state: ServiceState):
         self.app = app
-        self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
+        self.state = state
+        self.metrics = state.metrics
+        settings = state.settings
+        self.max_body_bytes = settings.max_body_bytes
+        self.max_concurrent = settings.max_concurrent_requests
+        self.in_flight = dict.fromkeys(TASK_PATHS, 0)
+        # moving average of a task request's time in the server: with `in_flight` requests ahead, Little's law
+        # says the backlog clears in about that long, which is what Retry-After tells a refused client
+        self._latency_s = dict.fromkeys(TASK_PATHS, 0.0)
+        self._new_ids = _request_ids()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        headers = dict(scope["headers"])
-        given_id = headers.get(b"x-request-id", b"").decode("latin-1")
-        request_id = given_id if _REQUEST_ID.match(given_id) else uuid.uuid4().hex
-        status = 500  # if the app raises before answering, ServerErrorMiddleware sends a 500
+        request_id = self._request_id(scope)
+        scope.setdefault("state", {})["request_id"] = request_id  # error bodies quote it (request.state)
+        status = 0
+        path = scope["path"]
+        task = path if path in self.in_flight and scope["method"] == "POST" else None
 
-        async def send_with_id(message: Message) -> None:
+        async def send_with_context(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                if self.state.draining:  # rolling restart: finish this answer, then move to another replica
+                    headers.append((b"connection", b"close"))
+                message = {**message, "headers": headers}
             await send(message)
 
         received = 0
@@ -51,17 +82,32 @@ class RequestContextMiddleware:
                     raise HTTPException(413, self._too_large)
             return message
 
+        admitted = False
         try:
-            declared = int(headers.get(b"content-length", b"0"))
-        except ValueError:
-            declared = 0
-        try:
-            if declared > self.max_body_bytes:
-                await self._send_413(send_with_id)
+            if task is not None and self.in_flight[task] >= self.max_concurrent:
+                self.metrics.rejected.labels(task, "concurrency").inc()
+                retry_after = str(max(1, math.ceil(self._latency_s[task])))
+                await self._send_error(send_with_context, 429, "overloaded", request_id, self._at_capacity(task),
+                                       [(b"retry-after", retry_after.encode())])  # fmt: skip
+            elif self._declared_length(scope) > self.max_body_bytes:
+                await self._send_error(send_with_context, 413, "body_too_large", request_id, self._too_large)
             else:
-                await self.app(scope, receive_limited, send_with_id)
+                if task is not None:
+                    self.in_flight[task] += 1
+                    admitted = True
+                await self.app(scope, receive_limited, send_with_context)
+        except Exception:
+            if status:
+                raise  # the answer has started: nothing better to send; uvicorn closes the connection
+            log.exception("request_id=%s unhandled error", request_id)
+            await self._send_error(send_with_context, 500, "internal_error", request_id,
+                                   "the server failed on this request; the request id is in its log")  # fmt: skip
         finally:
             elapsed = time.perf_counter() - started
+            if admitted:
+                self.in_flight[task] -= 1
+                if status == 200:
+                    self._latency_s[task] = 0.9 * self._latency_s[task] + 0.1 * elapsed
             route = scope.get("route")
             route_label = getattr(route, "path", "unmatched")
             self.metrics.requests.labels(route_label, str(status)).inc()
@@ -69,15 +115,61 @@ class RequestContextMiddleware:
             client = scope.get("client") or ("-", 0)
             access_log.info(
                 "request_id=%s method=%s path=%s status=%d duration_ms=%.2f client=%s",
-                request_id, scope["method"], scope["path"], status, elapsed * 1000, client[0],
+                request_id, scope["method"], path, status, elapsed * 1000, client[0],
             )
+
+    def refusal(self, scope: Scope) -> bytes | None:
+        """The whole HTTP/1.1 answer refusing this request at admission, or None to let it in.
+
+        uvicorn's protocol calls this before it starts an ASGI task for the request (service/__main__.py), so a
+        429 under a flood skips the task, the ASGI layers and the response machinery: it is the one answer the
+        server gives most often then. The ASGI path above checks the same limit again (in-process clients,
+        and requests let in here in the same instant).
+        """
+        path = scope["path"]
+        if scope["method"] != "POST" or path not in self.in_flight or self.in_flight[path] < self.max_concurrent:
+            return None
+        request_id = self._request_id(scope)
+        body = error_body("overloaded", self._at_capacity(path), request_id)
+        retry_after = max(1, math.ceil(self._latency_s[path]))
+        close = b"connection: close\r\n" if self.state.draining else b""
+        self.metrics.rejected.labels(path, "concurrency").inc()
+        self.metrics.requests.labels(path, "429").inc()
+        access_log.info("request_id=%s method=POST path=%s status=429 duration_ms=0.00 client=%s",
+                        request_id, path, (scope.get("client") or ("-", 0))[0])  # fmt: skip
+        return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"retry-after: %d\r\nx-request-id: %s\r\n%s\r\n" % (len(body), retry_after, request_id.encode(), close)
+                ) + body  # fmt: skip
+
+    def _request_id(self, scope: Scope) -> str:
+        given_id = next((value for name, value in scope["headers"] if name == b"x-request-id"), b"")
+        return given_id.decode("ascii") if _valid_request_id(given_id) else next(self._new_ids)
+
+    @staticmethod
+    def _declared_length(scope: Scope) -> int:
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    return 0
+        return 0
 
     @property
     def _too_large(self) -> str:
-        return f"request body is over the limit of {self.max_body_bytes} bytes"
+        return f"request body is over the limit of {self.max_body_bytes} bytes (LINFORMER_MAX_BODY_BYTES)"
 
-    async def _send_413(self, send: Send) -> None:
-        body = json.dumps({"detail": self._too_large}).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
+    def _at_capacity(self, task: str) -> str:
+        return (f"{task} is at capacity ({self.max_concurrent} requests in progress, "
+                "LINFORMER_MAX_CONCURRENT_REQUESTS); retry after the time in Retry-After")  # fmt: skip
+
+    @staticmethod
+    async def _send_error(
+        send: Send, status: int, code: str, request_id: str, message: str,
+        extra_headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        body = error_body(code, message, request_id)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   *(extra_headers or [])]  # fmt: skip
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

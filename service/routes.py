@@ -4,13 +4,14 @@ import asyncio
 from collections.abc import Hashable
 
 import numpy as np
-from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.batcher import DeadlineExceeded, QueueFull, ShuttingDown
+from service.batcher import BatchFailed, DeadlineExceeded, QueueFull, ShuttingDown
 from service.deps import ModelService, ServiceState, State, serving_model
+from service.errors import CLIENT_CLOSED_REQUEST, ServiceError, documented
 from service.schemas import (
     ClassifyRequest,
     ClassifyResponse,
@@ -25,7 +26,7 @@ from service.tokenizer import TextTooLong
 
 router = APIRouter()
 
-CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but logs and metrics say what happened
+TASK_RESPONSES = documented(413, 422, 429, 499, 500, 503, 504)
 
 
 # ---- shared steps ----
@@ -43,7 +44,7 @@ def _tokenise(model: ModelService, texts: list[str], truncate: bool):
     try:
         return model.tokenizer.encode_all(texts, truncate=truncate)
     except TextTooLong as e:
-        raise HTTPException(413, str(e)) from None
+        raise ServiceError(413, "text_too_long", str(e)) from None
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -55,12 +56,12 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 async def _infer(
     request: Request, state: ServiceState, model: ModelService, token_ids: list[list[int]],
-    options: Hashable = None,
+    options: Hashable = None, cost: int = 1,
 ) -> list:
     """Queue the texts and await their outputs; a client that disconnects meanwhile is dropped."""
     assert model.batcher is not None
     outputs = asyncio.ensure_future(
-        model.batcher.submit(token_ids, timeout_s=state.settings.request_timeout_s, options=options)
+        model.batcher.submit(token_ids, timeout_s=state.settings.request_timeout_s, options=options, cost=cost)
     )
     disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -70,18 +71,29 @@ async def _infer(
         if not outputs.done():
             outputs.cancel()  # its queued texts are skipped when the next batch is formed
     if outputs not in done:
-        raise HTTPException(CLIENT_CLOSED_REQUEST, "client closed the request")
+        raise ServiceError(CLIENT_CLOSED_REQUEST, "client_closed_request", "client closed the request")
     try:
         return outputs.result()
     except QueueFull as e:
-        state.metrics.rejected.labels(model.bundle.name).inc()
-        raise HTTPException(429, str(e), headers={"Retry-After": str(e.retry_after_s)}) from None
+        state.metrics.rejected.labels(request.url.path, "queue_full").inc()
+        raise ServiceError(
+            429, "overloaded", f"the {model.bundle.name} queue is full; {e}",
+            headers={"Retry-After": str(e.retry_after_s)},
+        ) from None
     except DeadlineExceeded:
-        raise HTTPException(
-            504, f"request not answered within {state.settings.request_timeout_s:g} s; try again later"
+        raise ServiceError(
+            504, "deadline_exceeded",
+            f"request not answered within {state.settings.request_timeout_s:g} s (LINFORMER_REQUEST_TIMEOUT_S); "
+            "try again later",
         ) from None
     except ShuttingDown:
-        raise HTTPException(503, "the server is shutting down") from None
+        raise ServiceError(503, "shutting_down", "the server is shutting down; retry on another replica") from None
+    except BatchFailed:
+        raise ServiceError(
+            500, "inference_failed",
+            f"the {model.bundle.name} model failed on the batch holding this request; the server is still "
+            "serving, retrying may succeed (the error is in the server log under this request id)",
+        ) from None
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -92,7 +104,7 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 # ---- tasks ----
 
 
-@router.post("/classify", response_model=ClassifyResponse, tags=["tasks"])
+@router.post("/classify", response_model=ClassifyResponse, tags=["tasks"], responses=TASK_RESPONSES)
 async def classify(body: ClassifyRequest, request: Request, state: State):
     """Label each text (e.g. review sentiment); results come back in input order."""
     model = serving_model(state, "classify")
@@ -117,16 +129,36 @@ async def classify(body: ClassifyRequest, request: Request, state: State):
     return ClassifyResponse(model=model.bundle.name, results=results)
 
 
-@router.post("/translate", response_model=TranslateResponse, tags=["tasks"])
+def _check_decode_budget(model: ModelService, texts: int, beam_size: int, max_new_tokens: int, limit: int) -> int:
+    """Decode work per text (beam_size x max_new_tokens, as the runtime caps it); 413 if the request asks too much."""
+    new_tokens = min(max_new_tokens, int(model.bundle.config.get("tgt_n_max", max_new_tokens)))
+    per_text = beam_size * new_tokens
+    if texts * per_text > limit:
+        asked = max_new_tokens
+        capped = f" (asked {asked}, capped at the model's target length)" if new_tokens < asked else ""
+        raise ServiceError(
+            413, "budget_exceeded",
+            f"this request asks for {texts} texts x beam_size {beam_size} x max_new_tokens {new_tokens}{capped} = "
+            f"{texts * per_text} decode tokens, over this server's limit of {limit} "
+            "per request (LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST); send fewer texts, a smaller beam or a "
+            "smaller max_new_tokens",
+        )
+    return per_text
+
+
+@router.post("/translate", response_model=TranslateResponse, tags=["tasks"], responses=TASK_RESPONSES)
 async def translate(body: TranslateRequest, request: Request, state: State):
     """Translate English to German (503 until a translation bundle and runtime are in place)."""
     model = serving_model(state, "translate")
     texts = body.all_texts
     _check_text_count(texts, state.settings.max_texts_per_request)
+    cost = _check_decode_budget(
+        model, len(texts), body.beam_size, body.max_new_tokens, state.settings.max_decode_tokens_per_request
+    )
     encoded = _tokenise(model, texts, body.truncate)
     # the decoding runtime is batched per (beam_size, max_new_tokens): see Batcher's `options`
     outputs = await _infer(
-        request, state, model, [e.ids for e in encoded], options=(body.beam_size, body.max_new_tokens)
+        request, state, model, [e.ids for e in encoded], options=(body.beam_size, body.max_new_tokens), cost=cost
     )
     return TranslateResponse(
         model=model.bundle.name,
@@ -143,14 +175,25 @@ async def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz", response_model=Readiness, tags=["ops"])
+@router.get(
+    "/readyz", response_model=Readiness, tags=["ops"],
+    responses={503: {"model": Readiness, "description": "Not ready: a configured model did not load, no model "
+                                                        "is configured, or the server is draining."}},
+)  # fmt: skip
 async def readyz(state: State):
-    """Ready when at least one model is loaded and serving."""
+    """Ready when every configured model is serving and the server is not draining."""
     serving = [m.bundle.name for m in state.models.values() if m.batcher is not None]
-    if serving:
+    not_loaded = list(state.failed.values())
+    if state.draining:
+        detail = "draining: finishing accepted requests before shutting down"
+    elif not_loaded:
+        detail = "; ".join(state.unavailable[task] for task in state.failed)
+    elif not serving:
+        detail = "; ".join(state.unavailable.values()) or "no model is loaded"
+    else:
         return Readiness(ready=True, models=serving, detail="ok")
-    detail = "; ".join(state.unavailable.values()) or "no model is loaded"
-    return JSONResponse(Readiness(ready=False, models=[], detail=detail).model_dump(), status_code=503)
+    body = Readiness(ready=False, models=serving, not_loaded=not_loaded, draining=state.draining, detail=detail)
+    return JSONResponse(body.model_dump(), status_code=503)
 
 
 @router.get("/v1/models", response_model=ModelsResponse, tags=["ops"])

@@ -1,6 +1,9 @@
 """ONNX Runtime behind the one call the batcher makes: padded int64 ids + mask in, one row per text out."""
 
+import ctypes
+import ctypes.util
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +13,27 @@ log = logging.getLogger(__name__)
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
+
+# A batch this big (padded input tokens) or any translation batch is followed by `_return_freed_memory`
+BIG_BATCH_TOKENS = 1 << 16
+
+
+def _load_malloc_trim():
+    libc_name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(libc_name).malloc_trim if libc_name else None
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps the pages a big batch freed for reuse, so an idle server stays at its peak (64 MB kept after
+    one 64-text beam-8 translation with ORT's arena off: benchmarks/results/memory.md); give them back."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def _gpu_present() -> bool:
@@ -35,11 +59,16 @@ def choose_providers(preference: str) -> list[str]:
 
 
 def make_session(
-    model_path: Path, providers: list[str], *, intra_op_threads: int = 0, inter_op_threads: int = 0
+    model_path: Path, providers: list[str], *, intra_op_threads: int = 0, inter_op_threads: int = 0,
+    cpu_mem_arena: bool = True,
 ) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = inter_op_threads
+    options.enable_cpu_mem_arena = cpu_mem_arena
+    # memory patterns pre-plan and cache one block per input shape seen, which the arena-off setting is
+    # meant to avoid keeping; they go with the arena
+    options.enable_mem_pattern = cpu_mem_arena
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3  # errors only: warnings about unused initializers are noise here
     return ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
@@ -59,7 +88,10 @@ class ClassifierRuntime:
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask}
-        return self.session.run([self._output], feeds)[0]
+        logits = self.session.run([self._output], feeds)[0]
+        if input_ids.size >= BIG_BATCH_TOKENS:
+            _return_freed_memory()
+        return logits
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -75,9 +107,11 @@ def _length_penalty(length: int, alpha: float) -> float:
 class TranslatorRuntime:
     """encoder.onnx once per batch of sources, then decoder.onnx one token at a time with its key/value cache.
 
-    `run(input_ids, attention_mask, (beam_size, max_new_tokens))` -> one list of target token ids per row
-    (no BOS/EOS). A finished sentence leaves the batch: its rows are dropped from the cache and the cross
-    keys, so later steps compute only what is still being translated. The searches are the same as
+    `run(input_ids, attention_mask, (beam_size, max_new_tokens), between_steps)` -> one list of target token
+    ids per row (no BOS/EOS). `between_steps` is called before each decoder step; it raises to stop the
+    batch (the batcher's does when nobody waits for the answers any more). A finished sentence leaves the
+    batch: its rows are dropped from the cache and the cross keys, so later steps compute only what is still
+    being translated. The searches are the same as
     training/decode.py (greedy; beam search with GNMT length penalty, fairseq's finishing rule).
     """
 
@@ -106,13 +140,22 @@ class TranslatorRuntime:
     def provider(self) -> str:
         return self.decoder.get_providers()[0]
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, options) -> list[list[int]]:
+    def run(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, options,
+        between_steps: Callable[[], None] | None = None,
+    ) -> list[list[int]]:
         beam_size, max_new_tokens = options
         max_new_tokens = min(max_new_tokens, self.tgt_n_max)
+        between_steps = between_steps or (lambda: None)
         cross = self.encoder.run(self.cross_names, {"input_ids": input_ids, "attention_mask": attention_mask})
-        if beam_size == 1:
-            return self.greedy(cross, max_new_tokens)
-        return self.beam_search([np.repeat(t, beam_size, axis=0) for t in cross], beam_size, max_new_tokens)
+        try:
+            if beam_size == 1:
+                return self.greedy(cross, max_new_tokens, between_steps)
+            beams = [np.repeat(t, beam_size, axis=0) for t in cross]
+            return self.beam_search(beams, beam_size, max_new_tokens, between_steps)
+        finally:
+            del cross
+            _return_freed_memory()  # a decode allocates per step; trimming costs ~1 ms against tens of ms
 
     def _step(self, tokens: np.ndarray, cross: list[np.ndarray], past: list[np.ndarray]):
         """(rows, 1) new tokens -> log-probabilities of the next token (rows, V) and the grown cache."""
@@ -124,13 +167,16 @@ class TranslatorRuntime:
     def _empty_cache(self, rows: int) -> list[np.ndarray]:
         return [np.zeros((rows, self.n_heads, 0, self.head_dim), np.float32) for _ in self.past_names]
 
-    def greedy(self, cross: list[np.ndarray], max_new_tokens: int) -> list[list[int]]:
+    def greedy(
+        self, cross: list[np.ndarray], max_new_tokens: int, between_steps: Callable[[], None] = lambda: None
+    ) -> list[list[int]]:
         B = cross[0].shape[0]
         outputs: list[list[int]] = [[] for _ in range(B)]
         live = np.arange(B)  # sentence of each row still in the batch
         tokens = np.full((B, 1), self.bos_id, dtype=np.int64)
         past = self._empty_cache(B)
         for step in range(max_new_tokens):
+            between_steps()
             logits, past = self._step(tokens, cross, past)
             next_tokens = logits.argmax(axis=-1)
             for row, token in zip(live.tolist(), next_tokens.tolist(), strict=True):
@@ -145,7 +191,10 @@ class TranslatorRuntime:
             tokens = next_tokens[:, None].astype(np.int64)
         return outputs
 
-    def beam_search(self, cross: list[np.ndarray], beam: int, max_new_tokens: int) -> list[list[int]]:
+    def beam_search(
+        self, cross: list[np.ndarray], beam: int, max_new_tokens: int,
+        between_steps: Callable[[], None] = lambda: None,
+    ) -> list[list[int]]:
         B = cross[0].shape[0] // beam
         live = list(range(B))  # sentence of each block of `beam` rows
         scores = np.zeros((B, beam), np.float32)
@@ -155,6 +204,7 @@ class TranslatorRuntime:
         tokens = np.full((B * beam, 1), self.bos_id, dtype=np.int64)
         past = self._empty_cache(B * beam)
         for step in range(max_new_tokens):
+            between_steps()
             logits, past = self._step(tokens, cross, past)
             vocab = logits.shape[-1]
             candidates = (scores[:, :, None] + _log_softmax(logits).reshape(len(live), beam, vocab)).reshape(

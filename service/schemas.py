@@ -1,24 +1,49 @@
 """Request and response bodies. Unknown fields and wrong types are refused (422), never coerced."""
 
+import re
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+# A text must hold at least one character outside whitespace, control characters and the invisible format
+# characters (soft hyphen, zero-width space/joiners, bidi marks, word joiner, BOM): a text of only those is as
+# blank as an empty one. The same pattern goes into the OpenAPI schema, so what the schema allows and what
+# the server accepts are one definition (schemathesis checks both ways).
+VISIBLE_CHARACTER = r"[^\s\x00-\x1f\x7f-\x9f\u00ad\u200b-\u200f\u202a-\u202e\u2060-\u206f\ufeff]"
+_VISIBLE = re.compile(VISIBLE_CHARACTER)
 
 
-def _not_blank(text: str) -> str:
-    if not text.strip():
-        raise ValueError("text must not be empty or only whitespace")
+def _valid_text(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON's "\ud800" escapes decode to lone surrogates, which are not text
+        raise ValueError(f"text is not valid Unicode: {e.reason} at character {e.start}") from None
+    if not _VISIBLE.search(text):
+        raise ValueError("text must not be empty or only whitespace or invisible characters")
     return text
 
 
-Text = Annotated[str, AfterValidator(_not_blank)]
+Text = Annotated[str, AfterValidator(_valid_text), Field(json_schema_extra={"pattern": VISIBLE_CHARACTER})]
+
+
+def _integral_float_as_int(value: object) -> object:
+    # JSON Schema counts 5.0 as an integer, so the OpenAPI allows it; strict mode would refuse it. Only
+    # integral floats are converted: 5.5, NaN, Infinity and strings still fail the strict int check.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Count = Annotated[int, BeforeValidator(_integral_float_as_int)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # exactly one of `text` and `texts`, stated in the schema too (neither is nullable: absent means unused)
+    model_config = ConfigDict(
+        extra="forbid", strict=True,
+        json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["texts"]}]},
+    )  # fmt: skip
 
-    text: Text | None = Field(None, description="One text; use either `text` or `texts`.")
-    texts: list[Text] | None = Field(None, min_length=1, description="Several texts, answered in order.")
+    text: Text = Field(None, description="One text; use either `text` or `texts`.")  # type: ignore[assignment]
+    texts: list[Text] = Field(None, min_length=1, description="Several texts, answered in order.")  # type: ignore[assignment]
     truncate: bool = Field(False, description="Cut texts over the model's n_max tokens instead of a 413.")
 
     @model_validator(mode="after")
@@ -34,7 +59,10 @@ class _Request(BaseModel):
 
 class ClassifyRequest(_Request):
     model_config = ConfigDict(
-        json_schema_extra={"examples": [{"texts": ["A wonderful film.", "Two hours I will not get back."]}]}
+        json_schema_extra={
+            "oneOf": [{"required": ["text"]}, {"required": ["texts"]}],
+            "examples": [{"texts": ["A wonderful film.", "Two hours I will not get back."]}],
+        }
     )
 
 
@@ -52,8 +80,13 @@ class ClassifyResponse(BaseModel):
 
 
 class TranslateRequest(_Request):
-    beam_size: int = Field(1, ge=1, le=8)
-    max_new_tokens: int = Field(256, ge=1, le=4096)
+    beam_size: Count = Field(1, ge=1, le=8)
+    max_new_tokens: Count = Field(
+        256, ge=1, le=4096,
+        description="At most this many tokens per translation (also capped by the model's target length). "
+                    "texts x beam_size x max_new_tokens must stay within the server's per-request budget "
+                    "(LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST), else 413.",
+    )  # fmt: skip
 
 
 class Translation(BaseModel):
@@ -83,5 +116,7 @@ class ModelsResponse(BaseModel):
 
 class Readiness(BaseModel):
     ready: bool
-    models: list[str]
+    models: list[str] = Field(description="Models serving now.")
+    not_loaded: list[str] = Field([], description="Configured models that could not be loaded (see the log).")
+    draining: bool = Field(False, description="SIGTERM received: finishing accepted requests before exiting.")
     detail: str

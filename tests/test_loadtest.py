@@ -194,7 +194,9 @@ def test_locust_lists_every_user_class_of_the_folder():
 
 def test_headless_locust_run_gets_exact_lengths_from_a_real_service(models_dir, tmp_path):
     port = free_port()
+    # a classify-only deployment (empty translate model): /readyz waits for every configured model
     env = {**os.environ, "LINFORMER_MODELS_DIR": str(models_dir), "LINFORMER_LOG_LEVEL": "warning",
+           "LINFORMER_TRANSLATE_MODEL": "",
            "LINFORMER_ORT_INTRA_OP_THREADS": "1", "LOADTEST_LENGTHS": "16,64", "LOADTEST_CACHE": str(tmp_path),
            "LOADTEST_CLASSIFY_DATA": str(tiny_reviews(tmp_path / "reviews.tsv"))}  # fmt: skip
     server = subprocess.Popen([sys.executable, "-m", "service", "--port", str(port)], cwd=REPO, env=env,

@@ -75,7 +75,7 @@ async def test_a_full_batch_goes_without_waiting(models_dir):
 
 
 async def test_flood_beyond_the_queue_gets_429_with_retry_after(models_dir):
-    settings = make_settings(models_dir, max_queue=3, max_batch_size=1)
+    settings = make_settings(models_dir, max_queue=3, max_texts_per_request=3, max_batch_size=1)
     async with running_service(settings, wrap_runtime=lambda rt: SlowRuntime(rt, 0.1)) as client:
         flood = [client.post("/classify", json={"text": "the film"}) for _ in range(12)]
         responses = await asyncio.gather(*flood)
@@ -100,7 +100,7 @@ async def test_request_past_its_deadline_gets_504_and_is_not_computed(models_dir
         first = asyncio.create_task(client.post("/classify", json={"text": "the film"}))
         await asyncio.sleep(0.05)  # the first is computing; the second waits behind it
         second = await client.post("/classify", json={"text": "bad"})
-        assert second.status_code == 504 and "0.25 s" in second.json()["detail"]
+        assert second.status_code == 504 and "0.25 s" in second.json()["error"]["message"]
         assert (await first).status_code == 504  # computing longer than its deadline
         await asyncio.sleep(0.6)  # give a (wrong) batcher time to compute the expired text
         assert slow.batches == [1]
@@ -164,7 +164,7 @@ class RecordingRuntime:
         self.delay_s = delay_s
         self.batches: list[list[int]] = []  # real lengths per batch
 
-    def __call__(self, input_ids, attention_mask, options):
+    def __call__(self, input_ids, attention_mask, options, stop_if_abandoned):
         time.sleep(self.delay_s)
         lengths = attention_mask.sum(axis=1).tolist()
         self.batches.append(lengths)
@@ -261,11 +261,11 @@ def test_padding_leaves_real_tokens_first():
     batcher = make_batcher(runtime, pad_id=9)
     captured = {}
 
-    def capture(input_ids, attention_mask, options):
+    def capture(input_ids, attention_mask, options, stop_if_abandoned):
         captured["ids"], captured["mask"] = input_ids, attention_mask
         return [None] * len(input_ids)
 
     batcher.run_batch = capture
-    batcher._pad_and_run([[1, 2, 3], [4]], None)
+    batcher._pad_and_run([[1, 2, 3], [4]], None, lambda: None)
     np.testing.assert_array_equal(captured["ids"], [[1, 2, 3], [4, 9, 9]])
     np.testing.assert_array_equal(captured["mask"], [[1, 1, 1], [1, 0, 0]])

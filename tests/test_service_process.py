@@ -1,5 +1,6 @@
 """The service as it runs in production: a uvicorn process on a loopback port, stopped with SIGTERM."""
 
+import os
 import signal
 import socket
 import subprocess
@@ -22,9 +23,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list[str], port: int) -> subprocess.Popen:
+def start(args: list[str], port: int, env: dict[str, str] | None = None) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **(env or {})},
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -52,7 +54,8 @@ def stop(proc: subprocess.Popen, timeout_s: float = 15) -> tuple[int, str]:
 
 def test_python_m_service_serves_over_http_and_exits_cleanly_on_sigterm(models_dir):
     port = free_port()
-    proc = start(["-m", "service", "--models-dir", str(models_dir), "--port", str(port)], port)
+    proc = start(["-m", "service", "--models-dir", str(models_dir), "--port", str(port)], port,
+                 env={"LINFORMER_TRANSLATE_MODEL": "", "LINFORMER_DRAIN_S": "0"})  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         assert httpx.get(f"{base}/readyz").status_code == 200
@@ -90,7 +93,7 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_zero(models_dir):
         from conftest import SlowRuntime, make_settings
         from service.__main__ import serve
         from service.app import create_app
-        settings = make_settings({str(models_dir)!r}, max_batch_size=2, port={port}, log_level="info")
+        settings = make_settings({str(models_dir)!r}, max_batch_size=2, port={port}, log_level="info", drain_s=0)
         serve(create_app(settings, wrap_runtime=lambda runtime: SlowRuntime(runtime, 1.0)), settings)
     """)
     proc = start(["-c", script], port)
@@ -131,3 +134,132 @@ def test_a_corrupt_bundle_stops_the_server_with_a_clear_error(models_dir, tmp_pa
     )
     assert proc.returncode != 0
     assert "refusing to start" in proc.stderr and "config.json does not match manifest.json" in proc.stderr
+    # one clear line from us (uvicorn adds its own "Application startup failed"), no traceback
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "logger=service" in line and "level=ERROR" in line] == [
+        next(line for line in proc.stderr.splitlines() if "refusing to start" in line)
+    ]
+
+
+def test_an_onnx_file_that_matches_its_manifest_but_cannot_load_is_one_line_too(models_dir, tmp_path):
+    import hashlib
+    import json
+    import shutil
+
+    bundle = shutil.copytree(models_dir / "classify-linformer", tmp_path / "classify-linformer")
+    (bundle / "model.onnx").write_bytes(b"not an onnx model")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["files"]["model.onnx"] = hashlib.sha256(b"not an onnx model").hexdigest()
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    proc = subprocess.run(
+        [sys.executable, "-m", "service", "--models-dir", str(tmp_path), "--port", str(free_port())],
+        cwd=REPO, capture_output=True, text=True, timeout=30, env={**os.environ, "LINFORMER_TRANSLATE_MODEL": ""},
+    )
+    assert proc.returncode == 3
+    assert "verified but cannot be loaded" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_sigterm_drains_keep_alive_clients_without_losing_a_request(models_dir):
+    """SIGTERM under keep-alive load: /readyz turns 503 at once, the server keeps answering through the drain
+    with `Connection: close` (each client then moves away, as behind a load balancer), nothing is lost, and the
+    process exits 0 soon after the drain."""
+    import asyncio
+
+    port, drain_s, clients = free_port(), 1.5, 32
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from conftest import SlowRuntime, make_settings
+        from service.__main__ import serve
+        from service.app import create_app
+        settings = make_settings({str(models_dir)!r}, translate_model="", port={port}, log_level="info",
+                                 drain_s={drain_s})
+        serve(create_app(settings, wrap_runtime=lambda runtime: SlowRuntime(runtime, 0.01)), settings)
+    """)
+    proc = start(["-c", script], port)
+    base = f"http://127.0.0.1:{port}"
+    outcomes: list[str] = []  # one per request sent: its status, or the transport error (a lost request)
+    moved_away: list[bool] = []
+
+    answered = set()
+
+    async def keep_alive_client(client: httpx.AsyncClient, index: int) -> None:
+        for _ in range(10_000):
+            try:
+                r = await client.post("/classify", json={"text": f"the film {index}"})
+            except httpx.HTTPError as e:
+                outcomes.append(repr(e))
+                return
+            outcomes.append(str(r.status_code))
+            answered.add(index)
+            if r.headers.get("connection") == "close":  # the server asks us to go elsewhere
+                moved_away.append(True)
+                return
+
+    async def scenario() -> tuple[int, dict, float]:
+        # one keep-alive connection per concurrent client (the pool never holds more than `clients`)
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(base_url=base, limits=limits, timeout=10) as client:
+            tasks = [asyncio.create_task(keep_alive_client(client, i)) for i in range(clients)]
+            while len(answered) < clients:  # every client connected and served at least once
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            assert not any(task.done() for task in tasks)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.05)
+            async with httpx.AsyncClient(base_url=base) as probe:
+                ready = await probe.get("/readyz")
+            await asyncio.wait_for(asyncio.gather(*tasks), timeout=drain_s + 5)
+        return ready.status_code, ready.json(), signalled
+
+    try:
+        ready_status, ready_body, signalled = asyncio.run(scenario())
+        out, _ = proc.communicate(timeout=drain_s + 15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    exited_after = time.monotonic() - signalled
+    assert ready_status == 503 and ready_body["draining"] is True
+    lost = [outcome for outcome in outcomes if outcome != "200"]
+    assert lost == [] and len(outcomes) > 2 * clients, out
+    assert len(moved_away) == clients  # every keep-alive client was told to move
+    assert proc.returncode == 0, out
+    assert drain_s <= exited_after < drain_s + 5, out
+    assert "draining for 1.5 s" in out and "batchers drained" in out
+
+
+def test_under_uvicorn_a_refusal_at_admission_is_a_complete_429_and_the_connection_stays_usable(models_dir):
+    """The served process answers 429 from uvicorn's protocol, before any ASGI task: same shape, same headers,
+    the refused request's body is read and dropped, and the keep-alive connection serves the next request."""
+    port = free_port()
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from conftest import SlowRuntime, make_settings
+        from service.__main__ import serve
+        from service.app import create_app
+        settings = make_settings({str(models_dir)!r}, translate_model="", port={port}, max_concurrent_requests=1)
+        serve(create_app(settings, wrap_runtime=lambda runtime: SlowRuntime(runtime, 0.5)), settings)
+    """)
+    proc = start(["-c", script], port)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=base, timeout=10) as first, httpx.Client(base_url=base, timeout=10) as second:
+            assert first.post("/classify", json={"text": "warm"}).status_code == 200
+            busy = threading.Thread(target=lambda: first.post("/classify", json={"text": "the film"}))
+            busy.start()
+            time.sleep(0.2)
+            refused = second.post("/classify", json={"text": "bad " * 100}, headers={"x-request-id": "r-1"})
+            busy.join()
+            assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+            assert refused.headers["x-request-id"] == "r-1"
+            error = refused.json()["error"]
+            assert error["code"] == "overloaded" and error["request_id"] == "r-1"
+            served = second.post("/classify", json={"text": "the film"})  # same keep-alive connection
+            assert served.status_code == 200
+            metrics = second.get("/metrics").text
+            assert 'linformer_rejected_requests_total{reason="concurrency",route="/classify"} 1.0' in metrics
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out

@@ -33,15 +33,16 @@ class CountingRuntime:
         self.runtime = runtime
         self.batches: list[tuple[int, object]] = []
 
-    def run(self, input_ids, attention_mask, options):
+    def run(self, input_ids, attention_mask, options, between_steps=None):
         self.batches.append((len(input_ids), options))
-        return self.runtime.run(input_ids, attention_mask, options)
+        return self.runtime.run(input_ids, attention_mask, options, between_steps)
 
 
 @pytest.fixture
 async def client(translate_models):
     root, _, _ = translate_models
-    async with running_service(make_settings(root, max_texts_per_request=8)) as c:
+    # a translate-only deployment: the empty classify model name means "not configured"
+    async with running_service(make_settings(root, classify_model="", max_texts_per_request=8)) as c:
         yield c
 
 
@@ -126,7 +127,7 @@ async def test_text_over_n_max_is_413_unless_truncate(client):
     long_text = " ".join(["film"] * (TINY_N_MAX + 5))
     r = await client.post("/translate", json={"text": long_text})
     assert r.status_code == 413
-    assert str(TINY_N_MAX) in r.json()["detail"]
+    assert str(TINY_N_MAX) in r.json()["error"]["message"]
     r = await client.post("/translate", json={"text": long_text, "truncate": True})
     assert r.status_code == 200, r.text
 

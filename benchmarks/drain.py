@@ -1,0 +1,170 @@
+"""Rolling-restart benchmark: SIGTERM one replica under keep-alive load and count the requests lost.
+
+    python -m benchmarks.drain [--runs 10] [--clients 128] [--drain-s 5] [--compare-drain-s 0] [--out DIR]
+
+Two replicas of `python -m service` (the committed classify bundle): A is stopped with SIGTERM, B stays up.
+`--clients` keep-alive clients (closed loop, one connection each) send /classify to A, as behind a load
+balancer. A client moves to B when A tells it to (`Connection: close` on an answer, what the drain does) or
+when its connection to A fails; a request that got no answer (connection reset, closed without an answer) is
+lost. Each run: 2 s of load on A, SIGTERM, load until 1 s after A exited. Repeated `--runs` times with the
+drain period given, and as many times with `--compare-drain-s` (0: uvicorn's plain graceful shutdown) to show
+what the drain changes. Writes drain.{csv,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.loadgen import REVIEW, Connection, Server, free_port, post_request  # noqa: E402
+from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+
+TRANSPORT_ERRORS = (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError)
+
+
+async def one_run(port_a: int, port_b: int, server_a: Server, clients: int, request: bytes) -> dict:
+    counts = {"answered_by_a": 0, "answered_by_a_after_sigterm": 0, "answered_by_b": 0, "lost": 0,
+              "non_200": 0, "moved_by_connection_close": 0, "moved_by_error": 0}  # fmt: skip
+    sigterm_at: float | None = None
+    latencies_after: list[float] = []
+
+    async def client() -> None:
+        conn = await Connection.open(port_a)
+        on_a = True
+        while not stop.is_set():
+            started = time.perf_counter()
+            try:
+                status, closing = await conn.exchange(request)
+            except TRANSPORT_ERRORS:
+                conn.close()
+                if on_a:
+                    counts["lost"] += 1
+                    counts["moved_by_error"] += 1
+                    on_a = False
+                    conn = await Connection.open(port_b)
+                    continue
+                raise
+            if status != 200:
+                counts["non_200"] += 1
+            if on_a:
+                counts["answered_by_a"] += 1
+                if sigterm_at is not None:
+                    counts["answered_by_a_after_sigterm"] += 1
+                    latencies_after.append(time.perf_counter() - started)
+                if closing:  # the drain's signal: this replica is going away
+                    counts["moved_by_connection_close"] += 1
+                    conn.close()
+                    on_a = False
+                    conn = await Connection.open(port_b)
+            else:
+                counts["answered_by_b"] += 1
+        conn.close()
+
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(client()) for _ in range(clients)]
+    await asyncio.sleep(2.0)
+    sigterm_at = time.perf_counter()
+    server_a.proc.send_signal(signal.SIGTERM)
+    while server_a.proc.poll() is None:
+        await asyncio.sleep(0.02)
+    exit_s = time.perf_counter() - sigterm_at
+    await asyncio.sleep(1.0)
+    stop.set()
+    await asyncio.gather(*tasks)
+    return {**counts, "exit_code": server_a.proc.returncode, "sigterm_to_exit_s": round(exit_s, 2),
+            "max_latency_after_sigterm_ms": round(max(latencies_after, default=0) * 1000, 1)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--clients", type=int, default=128)
+    parser.add_argument("--drain-s", type=float, default=5.0)
+    parser.add_argument("--compare-drain-s", type=float, default=0.0)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args()
+    load_before = load_average()
+    env = {"LINFORMER_TRANSLATE_MODEL": "", "LINFORMER_LOG_LEVEL": "warning", "LINFORMER_ORT_INTRA_OP_THREADS": "1",
+           "LINFORMER_MAX_CONCURRENT_REQUESTS": str(args.clients)}  # fmt: skip
+    request = post_request("/classify", json.dumps({"text": REVIEW}).encode())
+    port_b = free_port()
+    server_b = Server(port_b, env, cores=None)
+    rows = []
+    try:
+        for drain_s in (args.drain_s, args.compare_drain_s):
+            for run in range(args.runs):
+                port_a = free_port()
+                server_a = Server(port_a, {**env, "LINFORMER_DRAIN_S": str(drain_s)}, cores=None)
+                result = asyncio.run(one_run(port_a, port_b, server_a, args.clients, request))
+                server_a.stop()
+                rows.append({"drain_s": drain_s, "run": run + 1, **result})
+                print(rows[-1], flush=True)
+    finally:
+        server_b.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / "drain.csv", rows)
+    plot(rows, args.out / "drain.png", args.clients)
+    columns = {"drain_s": "drain s", "run": "run", "answered_by_a": "answered by A",
+               "answered_by_a_after_sigterm": "by A after SIGTERM", "lost": "lost",
+               "moved_by_connection_close": "moved by Connection: close", "moved_by_error": "moved by an error",
+               "non_200": "non-200", "exit_code": "A's exit code", "sigterm_to_exit_s": "SIGTERM -> exit (s)",
+               "max_latency_after_sigterm_ms": "max latency after SIGTERM (ms)"}  # fmt: skip
+    lines = header(f"Rolling restart: SIGTERM under {args.clients} keep-alive clients", ("onnxruntime", "uvicorn"),
+                   load_before)  # fmt: skip
+    by_drain = {}
+    for row in rows:
+        by_drain.setdefault(row["drain_s"], []).append(row)
+    lines += [
+        "Two replicas of `python -m service` (classify-linformer, 1 ORT thread, unpinned), A and B; "
+        f"{args.clients} keep-alive clients (closed loop, raw asyncio HTTP/1.1) on A; SIGTERM to A after 2 s; a "
+        "client moves to B on `Connection: close` or on a failed request, which counts as lost. The machine is "
+        "shared with other jobs (load average above).",
+        "",
+        "| LINFORMER_DRAIN_S | runs | requests lost (total) | runs with a loss | A exited 0 | SIGTERM -> exit |",
+        "|---|---|---|---|---|---|",
+        *[f"| {drain:g} | {len(group)} | {sum(r['lost'] for r in group)} | {sum(r['lost'] > 0 for r in group)} | "
+          f"{sum(r['exit_code'] == 0 for r in group)}/{len(group)} | "
+          f"{min(r['sigterm_to_exit_s'] for r in group):.1f}-{max(r['sigterm_to_exit_s'] for r in group):.1f} s |"
+          for drain, group in by_drain.items()],
+        "",
+        *markdown_table(rows, columns),
+        "",
+        "![requests lost per run](drain.png)",
+        "",
+    ]  # fmt: skip
+    (args.out / "drain.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def plot(rows: list[dict], path: Path, clients: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(8, 3.5))
+    drains = sorted({row["drain_s"] for row in rows}, reverse=True)
+    width = 0.8 / len(drains)
+    for i, drain in enumerate(drains):
+        group = [row for row in rows if row["drain_s"] == drain]
+        axis.bar([row["run"] + (i - (len(drains) - 1) / 2) * width for row in group], [row["lost"] for row in group],
+                 width=width, label=f"LINFORMER_DRAIN_S={drain:g}")  # fmt: skip
+    axis.set_xlabel("run")
+    axis.set_ylabel("requests lost")
+    axis.set_title(f"SIGTERM under {clients} keep-alive clients", fontsize=10)
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

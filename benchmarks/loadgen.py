@@ -1,0 +1,230 @@
+"""What the overload, soak and drain benchmarks share: a served process pinned to one core, and a raw asyncio
+HTTP/1.1 load generator that records every request (when it was due, how long it took, its status).
+
+Open loop (`open_loop`): requests are due at a fixed rate whatever the server does, as from many independent
+users; a request waiting for a free connection is late, and its latency counts from when it was due (no
+coordinated omission). Closed loop (`closed_loop`): N keep-alive clients, each sending its next request when
+the last one is answered. Status 0 is a transport error (connection reset or closed without an answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+REVIEW = ("The film was a moving story with great music and a brilliant ending, but the plot felt long in "
+          "the middle and the actors were not always convincing. Still, I would watch it again with friends.")
+
+
+@dataclass
+class Record:
+    due_s: float  # when the request was due, seconds from the start of the run
+    latency_s: float  # due -> answer read (or error)
+    status: int  # 0: transport error, no answer
+    lag_s: float = 0.0  # due -> written to a connection: the generator's own delay (or waiting for a connection)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post_request(path: str, body: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+
+
+class Server:
+    """`python -m service` in its own process, optionally pinned to CPU cores with `taskset`."""
+
+    def __init__(self, port: int, env: dict[str, str], cores: str | None = "0", log: Path | None = None):
+        self.port = port
+        command = [sys.executable, "-m", "service", "--port", str(port)]
+        if cores is not None:
+            command = ["taskset", "-c", cores, *command]
+        self.log = open(log or os.devnull, "w")  # noqa: SIM115  (closed in stop)
+        self.proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **env}, stdout=self.log,
+                                     stderr=subprocess.STDOUT)  # fmt: skip
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 60) -> None:
+        import http.client
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1)
+                conn.request("GET", "/readyz")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not become ready")
+
+    def rss_mb(self) -> float:
+        """Resident memory of the server process (the taskset child execs into python, same pid)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self, sig: int = 15, timeout_s: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.log.close()
+        return code
+
+
+# uvicorn closes a keep-alive connection idle for 5 s; like any HTTP client pool, ours drops idle connections
+# before that instead of racing the server's close (which would count as a transport error here)
+IDLE_LIMIT_S = 4.0
+
+
+class Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+        self.idle_since = time.monotonic()
+
+    @classmethod
+    async def open(cls, port: int) -> Connection:
+        return cls(*await asyncio.open_connection("127.0.0.1", port))
+
+    async def exchange(self, request: bytes) -> tuple[int, bool]:
+        """Send one request, read its answer: (status, whether the server will close the connection)."""
+        self.writer.write(request)
+        status_line = await self.reader.readline()
+        if not status_line:
+            raise ConnectionError("closed without an answer")
+        status = int(status_line.split()[1])
+        length, closing = 0, False
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"connection" and value.strip().lower() == b"close":
+                closing = True
+        await self.reader.readexactly(length)
+        self.idle_since = time.monotonic()
+        return status, closing
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def open_loop(port: int, request: bytes, phases: list[tuple[float, float]], max_connections: int = 2048,
+                    started: float | None = None) -> list[Record]:  # fmt: skip
+    """`phases`: (seconds, requests per second) one after the other; every request recorded."""
+    records: list[Record] = []
+    idle: list[Connection] = []
+    opened = 0
+    available = asyncio.Condition()
+    started = started if started is not None else time.perf_counter()
+
+    async def one(due: float) -> None:
+        nonlocal opened
+        async with available:
+            while not idle and opened >= max_connections:
+                await available.wait()
+            conn = idle.pop() if idle else None
+            while conn is not None and time.monotonic() - conn.idle_since > IDLE_LIMIT_S:
+                conn.close()
+                opened -= 1
+                conn = idle.pop() if idle else None
+            if conn is None:
+                opened += 1
+        status = 0
+        lag = time.perf_counter() - started - due
+        try:
+            if conn is None:
+                conn = await Connection.open(port)
+            status, closing = await conn.exchange(request)
+        except (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError):
+            closing = True
+        records.append(Record(due, time.perf_counter() - started - due, status, lag))
+        async with available:
+            if closing:
+                if conn is not None:
+                    conn.close()
+                opened -= 1
+            else:
+                idle.append(conn)
+            available.notify()
+
+    tasks: set[asyncio.Task] = set()
+    phase_start = 0.0
+    for seconds, rate in phases:
+        n = int(seconds * rate)
+        for i in range(n):
+            due = phase_start + i / rate
+            delay = due - (time.perf_counter() - started)
+            if delay > 0.001:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(one(due))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        phase_start += seconds
+    if tasks:
+        await asyncio.gather(*tasks)
+    for conn in idle:
+        conn.close()
+    return records
+
+
+async def closed_loop(port: int, request: bytes, clients: int, seconds: float,
+                      started: float | None = None) -> list[Record]:  # fmt: skip
+    records: list[Record] = []
+    started = started if started is not None else time.perf_counter()
+    stop_at = started + seconds
+
+    async def client() -> None:
+        conn = None
+        while time.perf_counter() < stop_at:
+            due = time.perf_counter() - started
+            status = 0
+            try:
+                conn = conn or await Connection.open(port)
+                status, closing = await conn.exchange(request)
+            except (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError):
+                closing = True
+            records.append(Record(due, time.perf_counter() - started - due, status))
+            if closing and conn is not None:
+                conn.close()
+                conn = None
+        if conn is not None:
+            conn.close()
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return records
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def pin_to(cores: set[int]) -> None:
+    """Keep the load generator off the server's core (no-op where affinity is not available)."""
+    try:
+        os.sched_setaffinity(0, cores)
+    except (AttributeError, OSError):
+        pass

@@ -1,0 +1,158 @@
+"""Soak benchmark: 10 minutes at about 70 % of the saturated throughput; failures and memory growth.
+
+    python -m benchmarks.soak [--minutes 10] [--fraction 0.7] [--bundle classify-linformer] [--out benchmarks/results]
+
+The server (`python -m service`, default settings, 1 ORT thread) is pinned to core 0, this load generator to
+core 1. Saturation is measured first (closed loop, 8 s at each of a few concurrencies, best throughput); then
+an open-loop rate of `fraction` x that runs for `--minutes`, with the server's RSS sampled every 5 s. Goals
+(issue #12): 0 failures (anything but 200), RSS growth < 5 % from the end of the first minute (warm-up) to the
+end. Writes soak-<bundle>.{csv,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.loadgen import REVIEW, Server, closed_loop, free_port, open_loop, percentile, pin_to, post_request  # noqa: E402
+from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+
+SAMPLE_S = 5.0
+WARM_UP_S = 60.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bundle", default="classify-linformer")
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--fraction", type=float, default=0.7)
+    parser.add_argument("--setting", action="append", default=[], help="extra LINFORMER_X=value for the server")
+    parser.add_argument("--stem", help="results file name (default soak-<bundle>)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args()
+    load_before = load_average()
+    env = {"LINFORMER_CLASSIFY_MODEL": args.bundle, "LINFORMER_TRANSLATE_MODEL": "",
+           "LINFORMER_ORT_INTRA_OP_THREADS": "1", "LINFORMER_ORT_INTER_OP_THREADS": "1",
+           "LINFORMER_LOG_LEVEL": "warning", **dict(s.split("=", 1) for s in args.setting)}  # fmt: skip
+    port = free_port()
+    server = Server(port, env, cores="0")
+    pin_to({1})
+    request = post_request("/classify", json.dumps({"text": REVIEW}).encode())
+    seconds = args.minutes * 60
+    rss: list[tuple[float, float]] = []
+    loads: list[tuple[float, float]] = []
+    try:
+        asyncio.run(closed_loop(port, request, 8, 3.0))  # warm-up
+        saturation = []
+        for clients in (4, 8, 16):
+            records = asyncio.run(closed_loop(port, request, clients, 8.0))
+            saturation.append({"clients": clients, "throughput_rps": sum(r.status == 200 for r in records) / 8.0})
+        saturated_rps = max(row["throughput_rps"] for row in saturation)
+        rate = args.fraction * saturated_rps
+
+        async def run() -> list:
+            started = time.perf_counter()
+
+            async def sample() -> None:
+                import os
+
+                while True:
+                    rss.append((time.perf_counter() - started, server.rss_mb()))
+                    loads.append((time.perf_counter() - started, os.getloadavg()[0]))
+                    await asyncio.sleep(SAMPLE_S)
+
+            sampler = asyncio.create_task(sample())
+            try:
+                return await open_loop(port, request, [(seconds, rate)], started=started)
+            finally:
+                sampler.cancel()
+
+        records = asyncio.run(run())
+        rss.append((seconds, server.rss_mb()))
+    finally:
+        exit_code = server.stop()
+    rows = []
+    for i in range(int(seconds / SAMPLE_S)):
+        lo, hi = i * SAMPLE_S, (i + 1) * SAMPLE_S
+        inside = [r for r in records if lo <= r.due_s < hi]
+        ok = [r.latency_s for r in inside if r.status == 200]
+        rss_now = next((mb for t, mb in rss if t >= lo), rss[-1][1])
+        load_now = next((la for t, la in loads if t >= lo), loads[-1][1] if loads else None)
+        rows.append({"t_s": lo, "ok_rps": len(ok) / SAMPLE_S, "failures": len(inside) - len(ok),
+                     "p50_ms": percentile(ok, 50) * 1000 if ok else None,
+                     "p99_ms": percentile(ok, 99) * 1000 if ok else None, "rss_mb": rss_now,
+                     "load_average_1min": load_now})  # fmt: skip
+    failures = sum(r.status != 200 for r in records)
+    statuses = sorted({r.status for r in records if r.status != 200})
+    rss_warm = next(mb for t, mb in rss if t >= WARM_UP_S)
+    rss_end = rss[-1][1]
+    growth = (rss_end - rss_warm) / rss_warm
+    ok = [r.latency_s for r in records if r.status == 200]
+    stem = args.stem or f"soak-{args.bundle}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / f"{stem}.csv", rows)
+    plot(rows, args.out / f"{stem}.png", rate, f"{args.bundle}: {rate:.0f} req/s open loop for {args.minutes:g} min")
+    lines = header(f"Soak: {args.bundle}, {args.minutes:g} minutes at {args.fraction:.0%} of saturation",
+                   ("onnxruntime", "fastapi", "uvicorn"), load_before)  # fmt: skip
+    lines += [
+        "Server: `python -m service` pinned to core 0, 1 ORT thread, default settings except "
+        f"{', '.join(f'`{k}={v}`' for k, v in env.items())}. Load generator: raw asyncio "
+        "HTTP/1.1 client on core 1, open loop, one ~50-token review per request. The machine is shared with "
+        "other jobs; the 1-minute load average is in the CSV for every 5-s window.",
+        "",
+        *markdown_table(saturation, {"clients": "closed-loop clients", "throughput_rps": "200/s"}),
+        "",
+        f"Saturated throughput {saturated_rps:.0f} req/s; soak rate {rate:.0f} req/s for {seconds:g} s: "
+        f"{len(records)} requests, p50 / p99 {percentile(ok, 50) * 1000:.1f} / {percentile(ok, 99) * 1000:.1f} ms.",
+        "",
+        "| goal | measured | target | met |",
+        "|---|---|---|---|",
+        f"| failures (not 200) | {failures}{' (statuses ' + ', '.join(map(str, statuses)) + ')' if statuses else ''}"
+        f" | 0 | {'yes' if failures == 0 else '**no**'} |",
+        f"| RSS growth after warm-up ({rss_warm:.1f} MB at {WARM_UP_S:g} s -> {rss_end:.1f} MB at the end) | "
+        f"{growth:+.2%} | < 5 % | {'yes' if growth < 0.05 else '**no**'} |",
+        "",
+        f"Server exit code on SIGTERM: {exit_code}. RSS at start of the soak: {rss[0][1]:.1f} MB.",
+        "",
+        f"![throughput, latency and RSS over time]({stem}.png)",
+        "",
+    ]  # fmt: skip
+    (args.out / f"{stem}.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def plot(rows: list[dict], path: Path, rate: float, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [row["t_s"] for row in rows]
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
+    top.plot(t, [row["ok_rps"] for row in rows], color="tab:green", label="200/s")
+    top.axhline(rate, ls="--", color="black", lw=0.8, label="offered")
+    top.set_ylabel("requests / s")
+    top.legend(fontsize=7)
+    middle.plot(t, [row["p99_ms"] for row in rows], color="tab:red", label="p99")
+    middle.plot(t, [row["p50_ms"] for row in rows], color="tab:blue", label="p50", lw=1)
+    middle.set_ylabel("latency (ms)")
+    middle.legend(fontsize=7)
+    bottom.plot(t, [row["rss_mb"] for row in rows], color="tab:purple")
+    bottom.axvline(WARM_UP_S, ls=":", color="black", lw=0.8)
+    bottom.set_ylabel("server RSS (MB)")
+    bottom.set_xlabel("seconds")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

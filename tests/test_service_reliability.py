@@ -1,0 +1,379 @@
+"""What the service does off the happy path: garbage input, one error shape, readiness, a failing batch,
+per-request budgets, admission control and a batch nobody waits for. In-process, on the tiny real bundles."""
+
+import asyncio
+import json
+import time
+
+import pytest
+from conftest import SlowRuntime, build_tiny_translate_bundle, make_settings, running_service
+
+pytestmark = pytest.mark.anyio
+
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture
+async def client(models_dir):
+    settings = make_settings(models_dir, translate_model="", max_texts_per_request=8, max_body_bytes=64 * 1024)
+    async with running_service(settings) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def translate_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("translate-reliability")
+    build_tiny_translate_bundle(root / "translate-linformer")
+    return root
+
+
+def assert_error_shape(r, status: int, code: str | None = None) -> dict:
+    """The one error shape: {"error": {"code", "message", "request_id"}}, the id the same as the header's."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    error = r.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["request_id"] == r.headers["x-request-id"]
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+# ---- every bad input gets a clear 4xx, never a 500 ----
+
+BAD_BODIES = {
+    "lone surrogate": b'{"text": "bad \\ud800 film"}',
+    "lone low surrogate in a list": b'{"texts": ["fine", "\\udfff"]}',
+    "NaN text": b'{"text": NaN}',
+    "Infinity flag": b'{"text": "ok", "truncate": Infinity}',
+    "-Infinity in a list": b'{"texts": [-Infinity]}',
+    "invalid UTF-8": b'{"text": "caf\xc3\x28 \xff"}',
+    "1k-deep nesting": b'{"text": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+    "30k-deep nesting": b"[" * 30_000 + b"]" * 30_000,
+    "5,000-digit integer": b'{"text": ' + b"9" * 5000 + b"}",
+    "5,000-digit float": b'{"text": "ok", "truncate": 1' + b"0" * 5000 + b".5}",
+    "zero-width and BOM only": json.dumps({"text": "\u200b\u200b\ufeff"}).encode(),
+    "bidi marks and NBSP only": json.dumps({"texts": ["ok", "\u200e\u00a0\u2060"]}).encode(),
+    "control characters only": json.dumps({"text": "\x00\x01\t\x7f"}).encode(),
+    "empty body": b"",
+    "not JSON": b"text=the film",
+    "JSON null": b"null",
+    "a bare string": b'"the film"',
+}
+
+
+@pytest.mark.parametrize("body", BAD_BODIES.values(), ids=BAD_BODIES.keys())
+async def test_bad_input_is_a_422_in_the_error_shape(client, body):
+    r = await client.post("/classify", content=body, headers=JSON)
+    error = assert_error_shape(r, 422, "invalid_request")
+    assert "Internal" not in error["message"]
+
+
+async def test_each_validation_problem_is_listed_with_where_it_is(client):
+    r = await client.post("/classify", content=b'{"texts": ["fine", "\\ud800", 5], "extra": NaN}', headers=JSON)
+    details = assert_error_shape(r, 422, "invalid_request")["details"]
+    where = {tuple(d["loc"]) for d in details}
+    assert {("body", "texts", 1), ("body", "texts", 2), ("body", "extra")} <= where
+    assert any("not valid Unicode" in d["msg"] for d in details)
+
+
+async def test_text_with_a_visible_character_among_invisible_ones_is_served(client):
+    r = await client.post("/classify", json={"text": "\u200b\ufeff film \u200b"})
+    assert r.status_code == 200
+
+
+async def test_errors_from_the_framework_use_the_same_shape(client):
+    assert_error_shape(await client.get("/no-such-route"), 404, "not_found")
+    assert_error_shape(await client.get("/classify"), 405, "method_not_allowed")
+    assert_error_shape(await client.post("/classify", content=b"x" * 70_000, headers=JSON), 413, "body_too_large")
+    r = await client.post("/classify", json={"text": "the film"}, headers={"x-request-id": "mine-1"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "mine-1"
+    r = await client.post("/classify", json={"text": ""}, headers={"x-request-id": "mine-2"})
+    assert assert_error_shape(r, 422)["request_id"] == "mine-2"
+
+
+async def test_openapi_documents_every_status_a_task_route_answers(client):
+    spec = (await client.get("/openapi.json")).json()
+    for path in ("/classify", "/translate"):
+        responses = spec["paths"][path]["post"]["responses"]
+        assert set(responses) == {"200", "413", "422", "429", "499", "500", "503", "504"}
+        for status in set(responses) - {"200"}:
+            schema = responses[status]["content"]["application/json"]["schema"]
+            assert schema == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert "503" in spec["paths"]["/readyz"]["get"]["responses"]
+
+
+# ---- readiness tells the truth ----
+
+
+async def test_a_configured_model_that_cannot_load_makes_readyz_503_naming_it(models_dir):
+    settings = make_settings(models_dir, translate_model="no-such-bundle")
+    async with running_service(settings) as client:
+        ready = await client.get("/readyz")
+        assert ready.status_code == 503
+        body = ready.json()
+        assert body["ready"] is False and body["not_loaded"] == ["no-such-bundle"]
+        assert body["models"] == ["classify-linformer"]  # the one that loaded still serves
+        assert "no-such-bundle" in body["detail"] and str(models_dir) not in ready.text
+        assert (await client.post("/classify", json={"text": "the film"})).status_code == 200
+        r = await client.post("/translate", json={"text": "the film"})
+        assert "no-such-bundle" in assert_error_shape(r, 503, "unavailable")["message"]
+        assert str(models_dir) not in r.text
+
+
+async def test_a_models_dir_outside_the_tree_shows_no_path_to_clients(tmp_path):
+    settings = make_settings(tmp_path / ".." / ".." / "etc")
+    async with running_service(settings) as client:
+        for r in (await client.get("/readyz"), await client.post("/classify", json={"text": "a"})):
+            assert r.status_code == 503 and "etc" not in r.text and "/" not in r.json().get("detail", "")
+
+
+async def test_an_empty_model_name_means_not_configured_and_ready_without_it(models_dir):
+    async with running_service(make_settings(models_dir, translate_model="")) as client:
+        ready = await client.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["not_loaded"] == []
+        r = await client.post("/translate", json={"text": "the film"})
+        assert assert_error_shape(r, 503, "unavailable")["message"] == "this server is not configured to translate"
+
+
+# ---- an inference error fails only its own batch ----
+
+
+class FailingOnce:
+    """Raises on the first batch only, as a runtime hit by a transient fault would."""
+
+    def __init__(self, runtime):
+        self.runtime, self.calls = runtime, 0
+
+    def run(self, input_ids, attention_mask):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("injected: ORT failed on this batch")
+        return self.runtime.run(input_ids, attention_mask)
+
+
+async def test_an_inference_error_fails_only_that_batch_and_the_next_is_served(models_dir, caplog):
+    settings = make_settings(models_dir, translate_model="", max_batch_size=2)
+    async with running_service(settings, wrap_runtime=FailingOnce) as client:
+        failed = await client.post("/classify", json={"texts": ["the film", "bad"]}, headers={"x-request-id": "f-1"})
+        error = assert_error_shape(failed, 500, "inference_failed")
+        assert error["request_id"] == "f-1" and "injected" not in error["message"]  # the cause is logged, not sent
+        served = await client.post("/classify", json={"texts": ["the film", "bad"]})
+        assert served.status_code == 200 and len(served.json()["results"]) == 2
+        assert (await client.get("/readyz")).status_code == 200
+    assert "injected: ORT failed on this batch" in caplog.text
+
+
+async def test_an_unexpected_exception_is_a_500_in_the_error_shape(models_dir):
+    from service.app import create_app
+
+    app = create_app(make_settings(models_dir, translate_model=""))
+
+    @app.get("/boom")
+    async def boom():
+        raise ZeroDivisionError("hidden")
+
+    import httpx
+
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+            r = await client.get("/boom")
+    assert "hidden" not in assert_error_shape(r, 500, "internal_error")["message"]
+
+
+# ---- admission control: refuse before reading the body ----
+
+
+async def test_over_the_concurrency_limit_is_429_before_the_body_is_read(models_dir):
+    from service.app import create_app
+
+    slow = None
+
+    def wrap(runtime):
+        nonlocal slow
+        slow = SlowRuntime(runtime, 0.3)
+        return slow
+
+    app = create_app(make_settings(models_dir, translate_model="", max_concurrent_requests=1), wrap_runtime=wrap)
+    async with app.router.lifespan_context(app):
+        import httpx
+
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+            busy = asyncio.create_task(client.post("/classify", json={"text": "the film"}))
+            await asyncio.sleep(0.05)
+            # a client that never sends its body still gets its 429 at once: the body is not needed to refuse
+            started = time.monotonic()
+            status, headers, body = await _asgi_post_without_body(app)
+            assert time.monotonic() - started < 0.2
+            assert status == 429 and int(headers[b"retry-after"]) >= 1
+            error = json.loads(body)["error"]
+            assert error["code"] == "overloaded" and "LINFORMER_MAX_CONCURRENT_REQUESTS" in error["message"]
+            assert error["request_id"] == headers[b"x-request-id"].decode()
+            assert (await busy).status_code == 200
+            assert (await client.get("/healthz")).status_code == 200  # ops routes are never refused
+            assert (await client.post("/classify", json={"text": "bad"})).status_code == 200  # the slot is free
+            metrics = (await client.get("/metrics")).text
+            assert 'linformer_rejected_requests_total{reason="concurrency",route="/classify"} 1.0' in metrics
+
+
+async def _asgi_post_without_body(app) -> tuple[int, dict, bytes]:
+    sent: list[dict] = []
+    never = asyncio.Event()
+
+    async def receive():
+        await never.wait()  # the body never arrives
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/classify", "raw_path": b"/classify", "query_string": b"", "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+        "client": ("127.0.0.1", 12345), "server": ("service", 80),
+    }  # fmt: skip
+    await asyncio.wait_for(app(scope, receive, send), 1)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], dict(start["headers"]), body
+
+
+# ---- bounded work per /translate request ----
+
+
+async def test_translate_over_the_decode_budget_is_413_naming_the_limit(translate_root):
+    settings = make_settings(translate_root, classify_model="", max_decode_tokens_per_request=64)
+    async with running_service(settings) as client:
+        # tiny bundle: tgt_n_max = 16, so max_new_tokens is worth at most 16 per beam
+        r = await client.post("/translate", json={"texts": ["the film", "bad"], "beam_size": 4, "max_new_tokens": 9})
+        error = assert_error_shape(r, 413, "budget_exceeded")
+        assert "2 texts x beam_size 4 x max_new_tokens 9 = 72" in error["message"]
+        assert "limit of 64" in error["message"] and "LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST" in error["message"]
+        ok = await client.post("/translate", json={"texts": ["the film", "bad"], "beam_size": 2, "max_new_tokens": 16})
+        assert ok.status_code == 200  # 2 x 2 x 16 = 64: at the limit is fine
+        capped = await client.post("/translate", json={"text": "the film", "beam_size": 4, "max_new_tokens": 4096})
+        assert capped.status_code == 200  # 4096 is capped at the model's 16 target tokens: 4 x 16 = 64
+
+
+async def test_translate_queue_is_bounded_by_decode_tokens_not_requests(translate_root):
+    from service.app import create_app
+    from service.batcher import Batcher, QueueFull
+
+    app = create_app(make_settings(translate_root, classify_model="", max_queued_decode_tokens=40,
+                                   max_decode_tokens_per_request=40))
+    async with app.router.lifespan_context(app):
+        assert app.state.service.models["translate"].batcher.max_queue == 40
+
+    def never_done(input_ids, attention_mask, options, stop_if_abandoned):
+        time.sleep(0.3)
+        return [[]] * len(input_ids)
+
+    batcher = Batcher(never_done, name="t", pad_id=0, max_batch_size=1, max_batch_tokens=100, max_wait_s=0,
+                      max_queue=40)  # fmt: skip
+    batcher.start()
+    computing = asyncio.create_task(batcher.submit([[1]], timeout_s=5, cost=16))
+    await asyncio.sleep(0.05)  # out of the queue, computing
+    queued = asyncio.create_task(batcher.submit([[1], [1]], timeout_s=5, cost=16))  # 32 of 40
+    await asyncio.sleep(0)
+    with pytest.raises(QueueFull):
+        await batcher.submit([[1]], timeout_s=5, cost=16)  # one text, but 48 > 40
+    assert await batcher.submit([[1]], timeout_s=5, cost=8) == [[]]  # 40: fits
+    await asyncio.gather(computing, queued)
+    await batcher.close()
+
+
+async def test_a_translation_batch_nobody_waits_for_stops_decoding():
+    """Past every request's deadline the runtime is stopped between steps instead of decoding on."""
+    from service.batcher import Batcher, DeadlineExceeded
+
+    steps = []
+
+    def step_by_step(input_ids, attention_mask, options, stop_if_abandoned):
+        for step in range(200):
+            stop_if_abandoned()
+            steps.append(step)
+            time.sleep(0.005)
+        return [[]] * len(input_ids)
+
+    batcher = Batcher(step_by_step, name="t", pad_id=0, max_batch_size=8, max_batch_tokens=100, max_wait_s=0,
+                      max_queue=100)  # fmt: skip
+    batcher.start()
+    with pytest.raises(DeadlineExceeded):
+        await batcher.submit([[1, 2], [3]], timeout_s=0.1)
+    await batcher.close()
+    assert 5 < len(steps) < 60  # stopped near 0.1 s, far from the 200 steps (1 s) asked for
+
+
+async def test_the_translator_asks_between_every_decoder_step(translate_root):
+    """The real runtime calls the batcher's hook before each decoder call, so stopping takes one step at most."""
+    calls = {"hook": 0, "decoder": 0}
+
+    def wrap(runtime):
+        decoder = runtime.decoder
+
+        class CountingDecoder:
+            def run(self, *args, **kwargs):
+                calls["decoder"] += 1
+                return decoder.run(*args, **kwargs)
+
+            def __getattr__(self, name):
+                return getattr(decoder, name)
+
+        runtime.decoder = CountingDecoder()
+
+        class Hooked:
+            def run(self, input_ids, attention_mask, options, between_steps):
+                def counted():
+                    calls["hook"] += 1
+                    between_steps()
+
+                return runtime.run(input_ids, attention_mask, options, counted)
+
+        return Hooked()
+
+    settings = make_settings(translate_root, classify_model="")
+    async with running_service(settings, wrap_runtime=wrap) as client:
+        for beam in (1, 3):
+            r = await client.post("/translate", json={"texts": ["the film", "a bad movie"], "beam_size": beam})
+            assert r.status_code == 200
+    assert calls["decoder"] > 0 and calls["hook"] == calls["decoder"]
+
+
+# ---- the OpenAPI schema and the server agree (what schemathesis checks in `make fuzz`) ----
+
+
+async def test_the_schema_states_what_the_server_enforces(client):
+    import re
+
+    from service.schemas import VISIBLE_CHARACTER
+
+    spec = (await client.get("/openapi.json")).json()["components"]["schemas"]["ClassifyRequest"]
+    assert spec["oneOf"] == [{"required": ["text"]}, {"required": ["texts"]}]
+    assert spec["properties"]["texts"]["maxItems"] == 8  # this server's LINFORMER_MAX_TEXTS_PER_REQUEST
+    assert spec["properties"]["text"]["pattern"] == VISIBLE_CHARACTER
+    for text in ["\u200b\u200b\ufeff", " \t", "\x00"]:  # the pattern refuses what the server refuses...
+        assert not re.search(VISIBLE_CHARACTER, text)
+        assert (await client.post("/classify", json={"text": text})).status_code == 422
+    for text in ["a", "\u200bfilm", "\u00e9"]:  # ...and allows what it serves
+        assert re.search(VISIBLE_CHARACTER, text)
+        assert (await client.post("/classify", json={"text": text})).status_code == 200
+    assert (await client.post("/classify", json={"text": None, "texts": ["a"]})).status_code == 422  # not nullable
+
+
+async def test_an_integral_float_is_an_integer_as_in_json_schema(translate_root):
+    async with running_service(make_settings(translate_root, classify_model="")) as client:
+        assert (await client.post("/translate", json={"text": "the film", "beam_size": 2.0})).status_code == 200
+        for bad in (2.5, "2", float("inf")):
+            r = await client.post("/translate", content=json.dumps({"text": "a", "beam_size": bad}), headers=JSON)
+            assert_error_shape(r, 422, "invalid_request")
+
+
+def test_settings_where_one_allowed_request_cannot_fit_an_empty_queue_are_refused(models_dir):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="MAX_TEXTS_PER_REQUEST=64 exceeds MAX_QUEUE=10"):
+        make_settings(models_dir, max_queue=10)
+    with pytest.raises(ValidationError, match="exceeds MAX_QUEUED_DECODE_TOKENS=1000"):
+        make_settings(models_dir, max_queued_decode_tokens=1000)
