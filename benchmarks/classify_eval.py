@@ -149,9 +149,10 @@ def main(argv: list[str] | None = None) -> None:
         f"Test split of `{args.data}` ({len(texts)} texts: "
         + ", ".join(f"{s} {sources.count(s)}" for s in SOURCES) + f"); buckets by `{args.bundles[0].name}`'s "
         f"tokenizer, BOS included ({counts}). The floor is trained on the same training split "
-        f"({len(train)} texts), C chosen on dev. Bundles run as served (`truncate: true`).",
+        f"({len(train)} texts), C chosen on dev. Bundles run as served (`truncate: true`). Test accuracy:",
         "",
-        *markdown_table(rows, columns),
+        *markdown_table([{k: f"{100 * v:.1f} %" if k in columns and isinstance(v, float) else v
+                          for k, v in row.items()} for row in rows], columns),  # fmt: skip
         "",
         f"![accuracy by source and length]({args.out.name}.png)",
         "",
