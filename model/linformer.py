@@ -306,12 +306,19 @@ def orthogonal_gaussian(m: int, d: int) -> torch.Tensor:
 
 
 class RandomFeatures(nn.Module):
-    """Exponents of phi(x) = exp(W x - |x|^2/2) / sqrt(M); W is a buffer, redrawn in training if asked."""
+    """phi(x) = exp(w.x - |x|^2/2) / sqrt(M) for queries and keys, up to factors that D^-1 cancels.
+
+    W (M, hd) is a buffer: in the state dict and a constant of the exported graph; redrawn in training only,
+    if asked. Inputs are the heads' q and k; the hd^-1/4 that makes phi(q).phi(k) estimate exp(q.k / sqrt(hd))
+    is folded into W. Each exp has a max subtracted first (the stable form): a factor per query, or one per
+    sequence and head for the keys, both of which cancel in D^-1 phi(Q) (phi(K)^T V).
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.d_head, self.m = cfg.d_model // cfg.n_heads, cfg.features()
         self.register_buffer("weight", orthogonal_gaussian(self.m, self.d_head))  # (M, hd), in the state dict
+        self.scale = self.d_head**-0.25  # on q and k each: q.k / sqrt(hd)
         self.redraw_every, self.training_steps = cfg.feature_redraw, 0
 
     def redraw_if_due(self) -> None:
@@ -322,19 +329,36 @@ class RandomFeatures(nn.Module):
         if self.training_steps % self.redraw_every == 0:
             self.weight.copy_(orthogonal_gaussian(self.m, self.d_head))
 
+    def exponents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, H, T, hd) -> w.x' (B, H, T, M) and |x'|^2/2 (B, H, T, 1), x' = x hd^-1/4."""
+        return x @ (self.weight.T * self.scale), x.square().sum(dim=-1, keepdim=True) * (self.scale**2 / 2)
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """phi(q) times a factor per query (B, H, T, M): |q|^2/2, 1/sqrt(M) and the max are such factors,
+        so exp(w.q' - max_i w_i.q') is all that is left; its largest feature is exp(0) = 1."""
+        a = q @ (self.weight.T * self.scale)
+        return torch.exp(a - a.amax(dim=-1, keepdim=True).detach())
+
+    def keys(self, k: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """phi(k) times one factor per sequence and head (B, H, T, M), zero at padding (keep (B, T) False).
+
+        The max subtracted is over real keys only, so padding changes neither it nor any real key's
+        features. The max, |k|^2/2 and padding all act on (B, H, T, 1): one exp over (T, M), no mask on it."""
+        a, half_norm = self.exponents(k)
+        real = keep[:, None, :, None]
+        peak = (a.amax(dim=-1, keepdim=True) - half_norm).masked_fill(~real, float("-inf")).amax(dim=2, keepdim=True)
+        offset = (half_norm + peak.detach()).masked_fill(~real, float("inf"))  # exp(a - inf) = 0 at padding
+        return torch.exp(a - offset)
+
+    def causal_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """phi(k) times a constant of W (B, H, T, M), each <= 1. A max over the sequence would mix future
+        keys into past positions and change with every new token; this bound needs none:
+        w.x - |x|^2/2 = |w|^2/2 - |x - w|^2/2 <= |w|^2/2 for every input x."""
+        a, half_norm = self.exponents(k)
+        return torch.exp(a - half_norm - self.bound())
+
     def bound(self) -> torch.Tensor:
-        """w.x - |x|^2/2 = |w|^2/2 - |x - w|^2/2 <= |w|^2/2: a bound on every exponent, whatever the input."""
-        return self.weight.square().sum(dim=1).max() / 2 - math.log(self.m) / 2
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, H, T, hd), already scaled by hd^-1/4 -> exponents W x - |x|^2/2 - ln sqrt(M): (B, H, T, M)."""
-        return x @ self.weight.T - x.square().sum(dim=-1, keepdim=True) / 2 - math.log(self.m) / 2
-
-
-def query_features(a: torch.Tensor) -> torch.Tensor:
-    """phi(q) from its exponents (B, H, T, M). Each query's max is subtracted before exp: a constant per
-    query, which D^-1 cancels exactly, and it keeps the largest feature at exp(0) = 1."""
-    return torch.exp(a - a.amax(dim=-1, keepdim=True).detach())
+        return self.weight.square().sum(dim=1).max() / 2
 
 
 class PerformerSelfAttention(HeadedAttention):
@@ -343,19 +367,16 @@ class PerformerSelfAttention(HeadedAttention):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.features = RandomFeatures(cfg)
-        self.scale = (cfg.d_model // cfg.n_heads) ** -0.25  # on q and k each: q.k / sqrt(hd)
 
     def forward(self, x, keep, e=None, f=None):  # e, f: the encoder passes none for this kind
         self.features.redraw_if_due()
         q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))  # (B, H, T, hd)
-        phi_q = query_features(self.features(q * self.scale))  # (B, H, T, M)
-        # Keys: one max per sequence and head, over its real keys only, so padding can change neither the
-        # max nor the sums; exp(-inf) = 0 zeroes padded keys before they are summed.
-        a_k = self.features(k * self.scale).masked_fill(~keep[:, None, :, None], float("-inf"))
-        phi_k = torch.exp(a_k - a_k.amax(dim=(2, 3), keepdim=True).detach())  # (B, H, T, M)
-        kv = phi_k.transpose(2, 3) @ v  # phi(K)^T V: (B, H, M, hd)
-        k_sum = phi_k.sum(dim=2).unsqueeze(-1)  # phi(K)^T 1: (B, H, M, 1)
-        y = (phi_q @ kv) / (phi_q @ k_sum)  # D^-1 phi(Q) (phi(K)^T V): (B, H, T, hd)
+        phi_q, phi_k = self.features.queries(q), self.features.keys(k, keep)  # (B, H, T, M)
+        # V with a column of ones: one product gives phi(K)^T V and phi(K)^T 1, a second gives the
+        # numerator phi(Q) (phi(K)^T V) and the diagonal of D
+        v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, T, hd + 1)
+        y = phi_q @ (phi_k.transpose(2, 3) @ v1)  # (B, H, T, M) @ (B, H, M, hd + 1)
+        y = y[..., :-1] / y[..., -1:]  # D^-1 phi(Q) (phi(K)^T V): (B, H, T, hd)
         return self.out(merge_heads(y))
 
 
@@ -363,22 +384,19 @@ class CausalPerformerAttention(HeadedAttention):
     """Decoder self-attention as causal FAVOR+: query t sees the prefix sums over keys 0..t.
 
     The cache is the running state (sum of phi(k) v^T (B, H, M, hd), sum of phi(k) (B, H, M), positions
-    seen (B,)): constant in length, the Performer's KV cache. Keys are stabilised by a bound fixed with W
-    (every exponent is <= max |w|^2/2), not by a max over the sequence: such a max would mix future keys
-    into past positions and change with every new token, so no incremental form could match it.
+    seen (B,)): constant in length, the Performer's KV cache. Keys are stabilised by a bound fixed with W,
+    not by a max over the sequence (RandomFeatures.causal_keys), so the incremental form is exact.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.features = RandomFeatures(cfg)
-        self.scale = (cfg.d_model // cfg.n_heads) ** -0.25
 
     def forward(self, x, past: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         self.features.redraw_if_due()
         B, T, _ = x.shape
         q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))  # (B, H, T, hd)
-        phi_q = query_features(self.features(q * self.scale))  # (B, H, T, M)
-        phi_k = torch.exp(self.features(k * self.scale) - self.features.bound())  # (B, H, T, M), each <= 1
+        phi_q, phi_k = self.features.queries(q), self.features.causal_keys(k)  # (B, H, T, M)
         # prefix sums over s <= t: phi(k_s) v_s^T (B, H, T, M, hd) and phi(k_s) (B, H, T, M)
         kv = torch.cumsum(phi_k.unsqueeze(-1) * v.unsqueeze(-2), dim=2)
         k_sum = torch.cumsum(phi_k, dim=2)

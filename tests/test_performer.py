@@ -13,9 +13,9 @@ from model import Classifier, ModelConfig, Translator
 from model.linformer import (
     CausalPerformerAttention,
     PerformerSelfAttention,
+    RandomFeatures,
     SelfAttention,
     orthogonal_gaussian,
-    query_features,
 )
 
 BASE = dict(vocab_size=50, n_max=64, d_model=32, n_heads=2, n_layers=2, d_ff=64, dropout=0.0)
@@ -98,11 +98,42 @@ def test_padded_keys_contribute_nothing_even_where_they_would_set_the_max():
     assert (leaky[0, :13] - alone[0]).abs().max() > 1e-3  # the check above can fail: padding does matter if summed
 
 
-def test_query_stabiliser_cancels_and_keeps_features_finite_for_large_queries():
-    a = torch.tensor([[[[500.0, 499.0, -20.0]]]])  # exp(500) overflows float32
-    phi = query_features(a)
-    assert torch.isfinite(phi).all() and phi.max() == 1.0
-    torch.testing.assert_close(phi / phi.sum(), torch.softmax(a, dim=-1))
+def definition(features: RandomFeatures, x: torch.Tensor) -> torch.Tensor:
+    """phi(x) = exp(w.x' - |x'|^2/2) / sqrt(M), x' = x hd^-1/4, in float64 straight from the paper."""
+    x = x.double() * features.d_head**-0.25
+    w = features.weight.double()
+    return torch.exp(x @ w.T - x.square().sum(-1, keepdim=True) / 2) / math.sqrt(features.m)
+
+
+def test_features_are_the_papers_up_to_factors_that_d_inverse_cancels():
+    """Queries: phi(q) times one factor per query. Keys: phi(k) times one factor per sequence and head,
+    and exactly zero at padding. Any other factor would change the attention weights."""
+    torch.manual_seed(0)
+    features = RandomFeatures(performer())
+    q, k = torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    keep = torch.ones(2, 9, dtype=torch.bool)
+    keep[1, 5:] = False
+    ratio = features.queries(q).double() / definition(features, q)  # (B, H, T, M)
+    torch.testing.assert_close(ratio, ratio[..., :1].expand_as(ratio), rtol=1e-5, atol=0)
+    phi_k = features.keys(k, keep).double()
+    assert (phi_k[1, :, 5:] == 0).all()
+    ratio = phi_k / definition(features, k)
+    for b, n in ((0, 9), (1, 5)):
+        real = ratio[b, :, :n]  # (H, n, M): one constant per head
+        torch.testing.assert_close(real, real[:, :1, :1].expand_as(real), rtol=1e-5, atol=0)
+    ratio = features.causal_keys(k).double() / definition(features, k)  # one constant of W for all
+    torch.testing.assert_close(ratio, ratio.flatten()[:1].expand_as(ratio).reshape(ratio.shape), rtol=1e-5, atol=0)
+
+
+def test_stabilised_features_stay_usable_where_the_plain_exp_underflows():
+    torch.manual_seed(0)
+    features = RandomFeatures(performer())
+    q = torch.randn(1, 1, 4, 16) * 60  # exponents in the minus thousands: float32 exp gives 0 for every feature
+    keep = torch.ones(1, 4, dtype=torch.bool)
+    assert (definition(features, q).float().sum(dim=-1) == 0).all()  # D = 0: the plain form divides 0 by 0
+    for phi in (features.queries(q), features.keys(q, keep), features.causal_keys(q / 10)):
+        assert torch.isfinite(phi).all() and phi.max() <= 1.001  # 1 up to rounding of exponents in the hundreds
+    assert features.queries(q).amax(dim=-1).eq(1.0).all()
 
 
 def test_random_features_live_in_the_state_dict_and_fix_the_model():
@@ -154,8 +185,7 @@ def test_causal_prefix_sums_equal_the_masked_quadratic_form():
     with torch.no_grad():
         y, _ = layer(x)
         q, k, v = layer.heads(layer.q(x)), layer.heads(layer.k(x)), layer.heads(layer.v(x))
-        phi_q = query_features(layer.features(q * layer.scale))
-        phi_k = torch.exp(layer.features(k * layer.scale) - layer.features.bound())
+        phi_q, phi_k = layer.features.queries(q), layer.features.causal_keys(k)
         scores = (phi_q @ phi_k.transpose(2, 3)).tril()  # (B, H, T, T), zero above the diagonal
         reference = layer.out(((scores @ v) / scores.sum(dim=-1, keepdim=True)).transpose(1, 2).reshape(2, 17, -1))
     torch.testing.assert_close(y, reference, atol=1e-5, rtol=1e-5)
@@ -251,5 +281,6 @@ def test_exponent_bound_holds_for_any_input(m):
     layer = CausalPerformerAttention(performer(n_features=m))
     scales = torch.tensor([0.1, 1.0, 10.0, 100.0])[:, None, None, None]
     x = torch.randn(4, 1, 50, BASE["d_model"] // BASE["n_heads"]) * scales
-    assert (layer.features(x) <= layer.features.bound() + 1e-4).all()
+    a, half_norm = layer.features.exponents(x)
+    assert (a - half_norm <= layer.features.bound() + 1e-4).all()
     assert math.isfinite(layer.features.bound().item())
