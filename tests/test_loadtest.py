@@ -141,6 +141,21 @@ def test_sweep_report_has_a_speedup_per_length(tmp_path):
     assert stem.with_suffix(".png").stat().st_size > 0
 
 
+def test_sweep_report_compares_each_deployment_with_the_last_named_when_there_are_three(tmp_path):
+    from loadtest import sweep
+
+    rows = [sweep_row("linformer", 1024, 1, 20.0, 50.0), sweep_row("performer", 1024, 1, 25.0, 40.0),
+            sweep_row("transformer", 1024, 1, 60.0, 16.0)]  # fmt: skip
+    args = argparse.Namespace(task="classify", labels=["linformer", "performer", "transformer"], out=tmp_path,
+                              suffix="", spawn=False, duration="5s", warmup=1, model_seconds=10, rounds=1,
+                              paired=True)  # fmt: skip
+    info = {label: {"base": "http://a", "model": label} for label in args.labels}
+    markdown = sweep.write_report(args, rows, info, "0 / 0 / 0").with_suffix(".md").read_text()
+    assert "linformer / performer vs transformer deployments" in markdown
+    assert "## 1 user — linformer vs transformer" in markdown and "## 1 user — performer vs transformer" in markdown
+    assert "| 1024 | 25 | 50 | 75 | 40 | 60 | 120 | 180 | 16 | 2.4 |" in markdown  # 60 / 25
+
+
 def test_table3_report_puts_measured_speedup_beside_the_paper(tmp_path, monkeypatch):
     from loadtest import table3
 
