@@ -165,7 +165,8 @@ def test_table3_report_puts_measured_speedup_beside_the_paper(tmp_path, monkeypa
              "vanilla_peak_mib": 40.0, "linformer_peak_mib": 10.0, "memory_saving": 4.0, "vanilla_max_batch": "8",
              "linformer_max_batch": "64", "m": 128, "performer_ms": 12.0, "performer_speedup": v / 12.0,
              "performer_flop_ratio": 1.8, "performer_peak_mib": 8.0, "performer_memory_saving": 5.0,
-             "performer_max_batch": "32", "runs": 5, "load_average_1min": 1.0}
+             "performer_max_batch": "32", "vanilla_cpu_ms": v / 2, "linformer_cpu_ms": 5.0, "performer_cpu_ms": 6.0,
+             "cpu_speedup": v / 10.0, "performer_cpu_speedup": v / 12.0, "runs": 5, "load_average_1min": 1.0}
             for n, v in ((2048, 30.0), (4096, 60.0))]  # fmt: skip
     args = argparse.Namespace(ks=[128], lengths=[2048, 4096], threads=1, reps=5, min_reps=3, seconds_per_length=9,
                               budget_gib=2.0, probe_seconds=9, max_batch=64, projection="linear")  # fmt: skip
@@ -179,6 +180,7 @@ def test_table3_report_puts_measured_speedup_beside_the_paper(tmp_path, monkeypa
     # the three kinds side by side: times, then each speedup beside its own FLOP bound, then memory
     assert "| n | vanilla ms | Linformer ms (k 128) | Performer ms (M 128) | Linformer speedup |" in markdown
     assert "| 4096 | 60 | 10 | 12 | 6 | 2 | 5 | 1.8 | 40 | 10 | 8 | 4 | 5 | 8 | 64 | 32 | 1 |" in markdown
+    assert "| 4096 | 30 | 5 | 6 | 6 | 2 | 5 | 1.8 | 1 |" in markdown  # the same by CPU time
 
 
 # ---- Locust against a real service ----
