@@ -397,7 +397,8 @@ class CausalPerformerAttention(HeadedAttention):
         B, T, _ = x.shape
         q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))  # (B, H, T, hd)
         phi_q, phi_k = self.features.queries(q), self.features.causal_keys(k)  # (B, H, T, M)
-        # prefix sums over s <= t: phi(k_s) v_s^T (B, H, T, M, hd) and phi(k_s) (B, H, T, M)
+        # prefix sums over s <= t: phi(k_s) v_s^T (B, H, T, M, hd) and phi(k_s) (B, H, T, M). T M hd floats
+        # per head: fine at decoder lengths (tgt_n_max 256); decoding one token at a time holds only the state.
         kv = torch.cumsum(phi_k.unsqueeze(-1) * v.unsqueeze(-2), dim=2)
         k_sum = torch.cumsum(phi_k, dim=2)
         seen = torch.full((B,), T, dtype=torch.long, device=x.device)
