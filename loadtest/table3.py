@@ -280,7 +280,7 @@ def measure(args: argparse.Namespace, size: str) -> tuple[list[dict], dict]:
 
 
 def write_report(args: argparse.Namespace, size: str, rows: list[dict], models: dict, load_before: str) -> None:
-    stem = RESULTS / stem_name(size, args.projection)
+    stem = RESULTS / (stem_name(size, args.projection) + args.suffix)
     write_csv(stem.with_suffix(".csv"), rows)
     s = SIZES[size]
     lines = header(f"Table 3 at model level ({size} size): Linformer and Performer vs vanilla on ONNX Runtime CPU",
@@ -441,12 +441,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probe-seconds", type=float, default=60, help="time cap of one max-batch probe")
     parser.add_argument("--max-batch", type=int, default=512)
     parser.add_argument("--skip-batch-search", action="store_true")
+    parser.add_argument("--suffix", default="", help="appended to the results' file names (a repeat beside a run)")
     args = parser.parse_args(argv)
     for size in SIZES if args.size == "both" else [args.size]:
         load_before = load_average()
         rows, models = measure(args, size)
         write_report(args, size, rows, models, load_before)
-        print(f"wrote {RESULTS / stem_name(size, args.projection)}.{{csv,md,png}}")
+        print(f"wrote {RESULTS / (stem_name(size, args.projection) + args.suffix)}.{{csv,md,png}}")
 
 
 if __name__ == "__main__":

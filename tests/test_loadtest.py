@@ -169,7 +169,8 @@ def test_table3_report_puts_measured_speedup_beside_the_paper(tmp_path, monkeypa
              "cpu_speedup": v / 10.0, "performer_cpu_speedup": v / 12.0, "runs": 5, "load_average_1min": 1.0}
             for n, v in ((2048, 30.0), (4096, 60.0))]  # fmt: skip
     args = argparse.Namespace(ks=[128], lengths=[2048, 4096], threads=1, reps=5, min_reps=3, seconds_per_length=9,
-                              budget_gib=2.0, probe_seconds=9, max_batch=64, projection="linear")  # fmt: skip
+                              budget_gib=2.0, probe_seconds=9, max_batch=64, projection="linear",
+                              suffix="")  # fmt: skip
     models = {"vanilla": {"fused": {"MultiHeadAttention": 2}}, "linformer-k128": {"fused": {"MultiHeadAttention": 2}},
               "performer": {"fused": {}, "m": 128}}
     table3.write_report(args, "served", rows, models, "0 / 0 / 0")
