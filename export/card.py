@@ -64,11 +64,17 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "")
         else f"{cfg['projection']} projection"
         + (" (initialised as mean pooling over n_max/k positions, then learned)" if init == "mean" else "")
     )
-    kind = (
-        f"Linformer, k={cfg['k']}, {cfg['sharing']} sharing, {projection}"
-        if cfg["attention"] == "linformer"
-        else "vanilla Transformer (full softmax attention)"
-    )
+    if cfg["attention"] == "linformer":
+        kind = f"Linformer, k={cfg['k']}, {cfg['sharing']} sharing, {projection}"
+    elif cfg["attention"] == "performer":
+        redraw = cfg.get("feature_redraw", 0)
+        kind = (
+            f"Performer (FAVOR+), M = {config['n_features']} positive orthogonal random features per head, "
+            "drawn once at build time and stored in the graph"
+            + (f", redrawn every {redraw} steps in training" if redraw else ", never redrawn")
+        )
+    else:
+        kind = "vanilla Transformer (full softmax attention)"
     counts = meta.get("counts", {})
     with_rotten_tomatoes = meta.get("dataset") == "imdb+rotten_tomatoes"
     lines = [
@@ -106,6 +112,8 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "")
         f"seed {train['seed']}.",
         f"- Command: `python -m training classify --attention {cfg['attention']}"
         + (f" --k {cfg['k']} --sharing {cfg['sharing']}" if cfg["attention"] == "linformer" else "")
+        + (f" --n-features {cfg['n_features']}" if cfg.get("n_features") else "")
+        + (f" --feature-redraw {cfg['feature_redraw']}" if cfg.get("feature_redraw") else "")
         + (f" --projection {cfg['projection']}" if cfg.get("projection", "linear") != "linear" else "")
         + (f" --projection-init {init}" if init != "random" else "")
         + f" --n-max {cfg['n_max']} --d-model {cfg['d_model']} --n-heads {cfg['n_heads']}"

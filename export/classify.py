@@ -31,7 +31,9 @@ def load_classifier(checkpoint: Path) -> tuple[Classifier, dict]:
 def export_onnx(model: Classifier, path: Path) -> dict[str, int]:
     """Write an optimised ONNX graph with dynamic batch and sequence (<= n_max; E/F sliced in the graph).
 
-    Returns ORT's fused-operator counts, so the caller can check the attention really was fused.
+    Returns ORT's fused-operator counts, so the caller can check the attention really was fused. The
+    Performer has no softmax attention to fuse: it exports as plain MatMul/Exp/ReduceMax ops, its random
+    features W as a constant of the graph.
     """
     cfg = model.cfg
     ids = torch.randint(4, cfg.vocab_size, (2, 16))
@@ -97,6 +99,7 @@ def export_classifier(checkpoint: Path, tokenizer: Path, out: Path, name: str, n
         "k": cfg.k if cfg.attention == "linformer" else None,
         "sharing": cfg.sharing if cfg.attention == "linformer" else None,
         "projection": cfg.projection if cfg.attention == "linformer" else None,
+        "n_features": cfg.features() if cfg.attention == "performer" else None,
         "labels": extra.get("labels", [str(i) for i in range(cfg.num_labels)]),
         "special_tokens": {"pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": BOS_ID, "eos_id": EOS_ID},
         "add_bos": True,

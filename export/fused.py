@@ -4,7 +4,8 @@ The exporter writes scaled_dot_product_attention as MatMul -> Softmax -> MatMul,
 does not fuse that back into its attention kernel (see ../shared/perf-notes.md). To compare Linformer
 with the best vanilla baseline ORT has, both are exported with the `com.microsoft` MultiHeadAttention
 contrib op: vanilla attends over all T keys with a key padding mask, Linformer over its k compressed
-keys (no mask: every compressed row is real).
+keys (no mask: every compressed row is real). The Performer's layers are not SelfAttention and are left
+as they are: FAVOR+ is matrix products and exp, which export as plain ops.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ service's reply says how many tokens it saw; a reply that disagrees with n count
 mismatched tokenizer cannot pass unnoticed. `truncate: true` guards against a 413 should a text
 ever come out longer than the model's n_max.
 
-PairedClassifyUser is one user for two deployments at once (loadtest.sweep's one-user runs): each
-text goes to both, one after the other, in alternating order, and each request is named
+PairedClassifyUser is one user for two (or more) deployments at once (loadtest.sweep's one-user runs):
+each text goes to each, one after the other, in rotating order, and each request is named
 "/classify n=<n> <label>". Both deployments then answer under the same machine state, request by
 request, instead of in separate runs seconds apart; with one user they still never compute at the same
 time. It exists only when LOADTEST_PAIRED_HOSTS=label=url,label=url is set:
@@ -83,7 +83,8 @@ def paired_task(n: int):
     def classify_both(user: FastHttpUser) -> None:
         texts = next_texts(user, n)
         user.turns += 1
-        for label, base in PAIRED_HOSTS if user.turns % 2 else PAIRED_HOSTS[::-1]:
+        first = user.turns % len(PAIRED_HOSTS)  # rotating order: A B, B A with two; A B C, B C A, C A B with three
+        for label, base in PAIRED_HOSTS[first:] + PAIRED_HOSTS[:first]:
             send(user, f"{base}/classify", texts, n, f"/classify n={n} {label}")
 
     classify_both.__name__ = f"classify_both_n{n}"
@@ -101,9 +102,9 @@ class ClassifyUser(FastHttpUser):
 
 
 class PairedClassifyUser(FastHttpUser):
-    """Closed loop over two deployments: the same texts to both, in alternating order. Run it with -u 1."""
+    """Closed loop over two or more deployments: the same texts to each, in rotating order. Run it with -u 1."""
 
-    abstract = len(PAIRED_HOSTS) != 2  # without LOADTEST_PAIRED_HOSTS, `locust -f loadtest/` leaves it out
+    abstract = len(PAIRED_HOSTS) < 2  # without LOADTEST_PAIRED_HOSTS, `locust -f loadtest/` leaves it out
     host = PAIRED_HOSTS[0][1] if PAIRED_HOSTS else None  # requests carry full URLs; Locust wants a host
     wait_time = constant(0)
     tasks = [paired_task(n) for n in LENGTHS]

@@ -17,6 +17,13 @@ input is compressed first, E·X, then Wk and Wv act on k rows, and E·X serves b
     feed-forward                  4·n·d·d_ff
 
 The paper's order (project K = X·Wk on n rows, then E·K and F·V) costs 8·n·d² + 8·n·k·d + FFN.
+
+Performer (FAVOR+) as model/linformer.py computes it, M random features per head, H heads of width d/H:
+    Q, K, V, output projections   8·n·d²
+    features W·q and W·k          2 · 2·n·d·M    = 4·n·d·M   (H heads × 2·n·(d/H)·M each)
+    φ(K)ᵀ·[V 1] and φ(Q)·(…)      2 · 2·n·M·(d + H)          (V with a ones column per head: numerator and D)
+    feed-forward                  4·n·d·d_ff
+Left out as for the others: the exp, the max and |x|²/2 of the features (O(n·M·H), like the softmax).
 """
 
 from __future__ import annotations
@@ -38,3 +45,12 @@ def linformer_layer_flops(n: int, d: int, d_ff: int, k: int, input_first: bool =
 def flop_ratio(n: int, d: int, d_ff: int, k: int, input_first: bool = True) -> float:
     """Vanilla FLOPs over Linformer FLOPs: the speedup a FLOP-bound kernel could reach at most."""
     return vanilla_layer_flops(n, d, d_ff) / linformer_layer_flops(n, d, d_ff, k, input_first)
+
+
+def performer_layer_flops(n: int, d: int, d_ff: int, m: int, n_heads: int) -> int:
+    return 8 * n * d * d + 4 * n * d * m + 4 * n * m * (d + n_heads) + 4 * n * d * d_ff
+
+
+def performer_flop_ratio(n: int, d: int, d_ff: int, m: int, n_heads: int) -> float:
+    """Vanilla FLOPs over Performer FLOPs: the speedup a FLOP-bound kernel could reach at most."""
+    return vanilla_layer_flops(n, d, d_ff) / performer_layer_flops(n, d, d_ff, m, n_heads)

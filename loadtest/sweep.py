@@ -1,8 +1,10 @@
-"""End-to-end sweep: Linformer vs Transformer deployments under Locust, runs per (n, users, deployment).
+"""End-to-end sweep: Linformer (and optionally Performer) vs Transformer deployments under Locust, runs
+per (n, users, deployment).
 
     python -m loadtest.sweep                                  # compose deployments on :8000 and :8001
     python -m loadtest.sweep --spawn                          # start both as local processes instead
     python -m loadtest.sweep --spawn --users 1,4 --duration 30s --lengths 512,1024,2048,4096
+    python -m loadtest.sweep --spawn --labels linformer,performer,transformer   # a third deployment
 
 For each length n (and each user count), every deployment gets one headless Locust run of ClassifyUser
 (or TranslateUser) with a fixed number of closed-loop users for a fixed time, sending texts of exactly
@@ -11,7 +13,7 @@ by a few sequential warm-up requests. With one user (classify), one PairedClassi
 text to both deployments in turn instead (--no-paired: one run each): the machine's speed drifts by
 several percent from one second to the next, and a paired run exposes both to the same drift.
 Then loadtest/results/sweep-<task>.{csv,md,png}: p50, p95, p99 and requests/s per n and deployment,
-and the Linformer/Transformer speedup per n.
+and each deployment's speedup over the last one named (the Transformer) per n.
 
 --spawn starts two `python -m service` processes with identical LINFORMER_* settings that differ
 only in the bundle (LINFORMER_CLASSIFY_MODEL=classify-linformer / classify-transformer), both pinned
@@ -259,13 +261,15 @@ def time_bundles(args: argparse.Namespace, n: int) -> dict[str, float]:
     return {label: timed[path]["ms"] for label, path in paths.items()}
 
 
-def model_level_speedups() -> dict[int, float]:
-    """n -> Table 3 speedup (served size, k = 128, the served projection) when loadtest.table3 has written it."""
+def model_level_speedups(label: str = "linformer") -> dict[int, float]:
+    """n -> Table 3 speedup over vanilla (served size, k = 128 with the served projection, or the Performer)
+    when loadtest.table3 has written it."""
     path = RESULTS / f"{MODEL_LEVEL}.csv"
-    if not path.exists():
+    column = {"linformer": "speedup", "performer": "performer_speedup"}.get(label)
+    if column is None or not path.exists():
         return {}
     with open(path, newline="") as f:
-        return {int(r["n"]): float(r["speedup"]) for r in csv.DictReader(f) if r["k"] == "128"}
+        return {int(r["n"]): float(r[column]) for r in csv.DictReader(f) if r["k"] == "128" and r.get(column)}
 
 
 def comparison_rows(
@@ -316,15 +320,19 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
     labels = tuple(args.labels)
     stem = args.out / f"sweep-{args.task}{args.suffix}"
     write_csv(stem.with_suffix(".csv"), rows)
-    table = comparison_rows(rows, labels, model_level_speedups() if args.task == "classify" else None)
-    fast, slow = labels
+    *challengers, slow = labels  # each against the last: the Transformer
+    fast = " / ".join(challengers)
+    tables = {
+        label: comparison_rows(rows, (label, slow), model_level_speedups(label) if args.task == "classify" else None)
+        for label in challengers
+    }
     lines = header(f"End-to-end sweep: {args.task}, {fast} vs {slow} deployments under Locust",
                    ("locust", "onnxruntime", "fastapi", "uvicorn"), load_before)  # fmt: skip
     if args.spawn:
         how = (
-            f"Deployments: spawned by this sweep as two `python -m service` processes with identical settings "
-            f"{json.dumps(serving_settings(args))} (batching limits at the service defaults unless set), differing "
-            f"only in LINFORMER_CLASSIFY_MODEL/LINFORMER_TRANSLATE_MODEL; both pinned with `taskset -c "
+            f"Deployments: spawned by this sweep as {len(labels)} `python -m service` processes with identical "
+            f"settings {json.dumps(serving_settings(args))} (batching limits at the service defaults unless set), "
+            f"differing only in LINFORMER_CLASSIFY_MODEL/LINFORMER_TRANSLATE_MODEL; all pinned with `taskset -c "
             f"{args.server_cpus or 'all'}` and {args.threads} ORT intra-op thread(s); only the deployment under "
             f"test receives load. Locust pinned with `taskset -c {args.client_cpus or 'all'}`."
         )
@@ -344,13 +352,13 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
         "requests to each deployment"
         + (", each round after timing both bundles. " if args.task == "classify" and args.spawn else ". ")
         + (
-            "With 1 user a run is one PairedClassifyUser over both deployments: each text goes to both, one "
-            "right after the other, in alternating order, so both answer under the same machine state request "
+            "With 1 user a run is one PairedClassifyUser over all deployments: each text goes to each, one "
+            "right after the other, in alternating order, so all answer under the same machine state request "
             "by request (`runs` = paired in the CSV; its req/s is 1000 / mean latency, what that user would get "
             f"from one deployment alone). With more users each deployment gets its own {USER_CLASS[args.task]} "
-            "run, and the two take turns, in alternating order, round by round. "
+            "run, and they take turns, in alternating order, round by round. "
             if args.paired and args.task == "classify"
-            else f"Each deployment gets its own {USER_CLASS[args.task]} run, and the two take turns, in "
+            else f"Each deployment gets its own {USER_CLASS[args.task]} run, and they take turns, in "
             "alternating order, round by round. "
         )
         + "Each request is one "
@@ -367,8 +375,9 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
         "round's own p50 ratio, to show how far one round scatters); "
         f"throughput = {fast} req/s / {slow} req/s"
         + (
-            f"; Table 3 = loadtest/results/{MODEL_LEVEL}.md (k = 128 as served, batch 1, random-initialised "
-            "copies); model-level (now) = the served bundles' median `session.run` at batch 1 and length n, timed "
+            f"; Table 3 = loadtest/results/{MODEL_LEVEL}.md (k = 128 as served, the Performer's M as served, batch 1, "
+            "random-initialised copies); model-level (now) = the served bundles' median `session.run` at batch 1 "
+            "and length n, timed "
             "in rotating rounds by this sweep before each round of runs and after the last, pinned and threaded "
             f"like the servers ({args.model_seconds:g} s each time, averaged over the {args.rounds + 1} timings; "
             "Table 3's figure where the sweep did not time them); "
@@ -379,21 +388,23 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
         ),
         "",
     ]
-    columns = {"n": "n"}
-    for label in labels:
-        columns |= {f"{label}_p50_ms": f"{label} p50 ms", f"{label}_p95_ms": f"{label} p95 ms",
-                    f"{label}_p99_ms": f"{label} p99 ms", f"{label}_requests_per_s": f"{label} req/s"}  # fmt: skip
-        if args.task == "translate":  # decoding time follows the output length: show it
-            columns[f"{label}_output_tokens"] = f"{label} output tokens (warm-up mean)"
-    columns |= {"speedup_p50": "speedup p50", "speedup_by_round": "speedup p50 by round",
-                "speedup_p95": "speedup p95", "speedup_mean": "speedup mean",
-                "throughput_ratio": "throughput ratio"}  # fmt: skip
-    if args.task == "classify":  # Table 3 is the classifier's
-        columns |= {"table3_speedup": "Table 3 speedup", "model_level_speedup": "model-level speedup (now)",
-                    "e2e_over_model": "e2e / model"}  # fmt: skip
-    for users in sorted({r["users"] for r in table}):
-        lines += [f"## {users} user{'s' if users > 1 else ''}", ""]
-        lines += markdown_table([r for r in table if r["users"] == users], columns) + [""]
+    for challenger, table in tables.items():
+        columns = {"n": "n"}
+        for label in (challenger, slow):
+            columns |= {f"{label}_p50_ms": f"{label} p50 ms", f"{label}_p95_ms": f"{label} p95 ms",
+                        f"{label}_p99_ms": f"{label} p99 ms", f"{label}_requests_per_s": f"{label} req/s"}  # fmt: skip
+            if args.task == "translate":  # decoding time follows the output length: show it
+                columns[f"{label}_output_tokens"] = f"{label} output tokens (warm-up mean)"
+        columns |= {"speedup_p50": "speedup p50", "speedup_by_round": "speedup p50 by round",
+                    "speedup_p95": "speedup p95", "speedup_mean": "speedup mean",
+                    "throughput_ratio": "throughput ratio"}  # fmt: skip
+        if args.task == "classify":  # Table 3 is the classifier's
+            columns |= {"table3_speedup": "Table 3 speedup", "model_level_speedup": "model-level speedup (now)",
+                        "e2e_over_model": "e2e / model"}  # fmt: skip
+        versus = f" — {challenger} vs {slow}" if len(tables) > 1 else ""
+        for users in sorted({r["users"] for r in table}):
+            lines += [f"## {users} user{'s' if users > 1 else ''}{versus}", ""]
+            lines += markdown_table([r for r in table if r["users"] == users], columns) + [""]
     failures = sum(r["failures"] for r in rows)
     if args.task == "translate":
         lines += [
@@ -462,7 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hosts", default="linformer=http://127.0.0.1:8000,transformer=http://127.0.0.1:8001",
                         help="label=url,label=url (ignored with --spawn)")  # fmt: skip
     parser.add_argument("--labels", default="linformer,transformer", type=lambda s: s.split(","),
-                        help="the two deployments, faster-expected first")  # fmt: skip
+                        help="the deployments (bundles classify-<label>), the baseline last; "
+                             "linformer,performer,transformer adds the Performer")  # fmt: skip
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--users", default="1,4", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--duration", default="30s", help="Locust --run-time of each run")
@@ -499,6 +511,10 @@ def main(argv: list[str] | None = None) -> None:
             hosts = {label: spawn(label, args, stack, raw) for label in args.labels}
         else:
             hosts = parse_hosts(args.hosts)
+            missing = [label for label in args.labels if label not in hosts]
+            if missing:
+                parser.error(f"--hosts has no URL for {', '.join(missing)} (e.g. --hosts ...,{missing[0]}=URL)")
+            hosts = {label: hosts[label] for label in args.labels}
             for base in hosts.values():
                 wait_ready(base, timeout_s=30)
         info = {label: {"base": base, "model": describe(base, args.task)} for label, base in hosts.items()}
@@ -540,9 +556,10 @@ def main(argv: list[str] | None = None) -> None:
                         rows[-1]["warmup_output_tokens"] = round(statistics.mean(generated[label]), 1)
                     print(json.dumps(rows[-1]), flush=True)
     stem = write_report(args, rows, info, load_before)
-    speedups = [r["speedup_p50"] for r in comparison_rows(rows, tuple(args.labels)) if r["speedup_p50"]]
-    if speedups:
-        print(f"median p50 speedup over all runs: {statistics.median(speedups):.2f}x")
+    for label in args.labels[:-1]:
+        speedups = [r["speedup_p50"] for r in comparison_rows(rows, (label, args.labels[-1])) if r["speedup_p50"]]
+        if speedups:
+            print(f"{label}: median p50 speedup over all runs: {statistics.median(speedups):.2f}x")
     print(f"wrote {stem}.{{csv,md,png}}")
 
 

@@ -1,4 +1,4 @@
-"""Linformer and vanilla Transformer models (PyTorch). Training and export use this; serving never does."""
+"""Linformer, Performer and vanilla Transformer models (PyTorch). Training and export use this; serving never does."""
 
 from model.linformer import (
     Classifier,

@@ -1,4 +1,5 @@
-"""Linformer (Wang et al. 2020) and the vanilla Transformer it is compared with, in one plain file.
+"""Linformer (Wang et al. 2020), Performer (Choromanski et al. 2020) and the vanilla Transformer they are
+compared with, in one plain file.
 
 Linformer head (paper eq. 7):  softmax(Q Wq (E K Wk)^T / sqrt(d)) (F V Wv),  E, F of shape k x n.
 E and F are stored as k x n_max and sliced to the first n columns for an input of length n.
@@ -9,6 +10,15 @@ Two properties the public implementations get wrong and this file gets right:
   that). fairseq never applies its key padding mask to the compressed attention.
 - The decoder is causal by construction: ordinary masked self-attention with a key/value cache.
   Masking the n x k compressed matrix, as a popular causal variant does, leaks future tokens.
+
+Performer head (FAVOR+):  D^-1 phi(Q) (phi(K)^T V),  D = diag(phi(Q) phi(K)^T 1),  with positive orthogonal
+random features phi(x) = exp(W x - |x|^2/2) / sqrt(M), W (M x hd) block-orthogonal, drawn once at build time
+and kept as a buffer (the state dict and the exported graph hold them). What public versions miss:
+- Padded keys contribute nothing: phi(k) is zero at padding before the sums phi(K)^T V and phi(K)^T 1, and
+  the keys' stabilising max is taken over real keys only (google-research's takes a padding mask and
+  ignores it).
+- The causal form is prefix sums written as plain ops (cumsum), exportable; its state (the running sums)
+  is the decoder's cache, constant in length. No custom kernel, no future key in any stabiliser.
 """
 
 from __future__ import annotations
@@ -21,7 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ATTENTIONS = ("linformer", "transformer")
+ATTENTIONS = ("linformer", "transformer", "performer")
+CROSS_ATTENTIONS = ("linformer", "transformer")
 SHARING = ("none", "headwise", "key-value", "layerwise")
 PROJECTIONS = ("linear", "mean", "max", "conv")
 
@@ -35,11 +46,13 @@ class ModelConfig:
     n_layers: int = 4
     d_ff: int = 1024
     dropout: float = 0.1
-    attention: str = "linformer"  # "linformer" or "transformer" (vanilla)
+    attention: str = "linformer"  # "linformer", "transformer" (vanilla) or "performer" (FAVOR+)
     k: int | list[int] = 128  # projected length, or one per encoder layer (non-uniform k)
     sharing: str = "layerwise"  # none | headwise | key-value | layerwise
     projection: str = "linear"  # linear (learned E, F) | mean | max pooling | conv (kernel = stride = n/k)
     projection_init: str = "random"  # linear E, F start random (fairseq) or as mean pooling ("mean")
+    n_features: int = 0  # performer: random features M per head; 0 = d_head ln d_head, rounded up to whole blocks
+    feature_redraw: int = 0  # performer: draw new features every this many training steps (0: never)
     pad_id: int = 0
     num_labels: int = 2  # classifier only
     # encoder-decoder (translation) only
@@ -53,7 +66,7 @@ class ModelConfig:
         assert self.sharing in SHARING, self.sharing
         assert self.projection in PROJECTIONS, self.projection
         assert self.projection_init in ("random", "mean"), self.projection_init
-        assert self.cross_attention in ATTENTIONS, self.cross_attention
+        assert self.cross_attention in CROSS_ATTENTIONS, self.cross_attention
         assert self.d_model % self.n_heads == 0
         ks = self.layer_ks()
         assert len(ks) == self.n_layers, "give one k per encoder layer"
@@ -61,6 +74,14 @@ class ModelConfig:
             assert len(set(ks)) == 1, "layerwise sharing uses one E for all layers, so one k"
         if self.projection != "linear":
             assert all(self.n_max % k == 0 for k in ks), "pooling/conv windows are n_max / k long"
+
+    def features(self) -> int:
+        """The Performer's M: as given, or d_head ln d_head (the paper's choice) rounded up to a multiple of
+        d_head, so that every block of W is a full orthogonal basis."""
+        if self.n_features:
+            return self.n_features
+        d_head = self.d_model // self.n_heads
+        return math.ceil(d_head * math.log(d_head) / d_head) * d_head
 
     def layer_ks(self) -> list[int]:
         return list(self.k) if isinstance(self.k, (list, tuple)) else [self.k] * self.n_layers
@@ -272,6 +293,124 @@ class CrossAttention(HeadedAttention):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Performer (FAVOR+)
+
+
+def orthogonal_gaussian(m: int, d: int) -> torch.Tensor:
+    """(m, d) rows with the marginals of N(0, I_d) but exactly orthogonal within each block of d rows:
+    a random orthonormal basis per block (QR of a Gaussian), each row scaled by an independent chi_d norm
+    (Choromanski et al. 2020, section 3; keeps the softmax-kernel estimate unbiased with lower variance)."""
+    blocks = [torch.linalg.qr(torch.randn(d, d))[0].T for _ in range(math.ceil(m / d))]
+    w = torch.cat(blocks)[:m]  # (m, d), unit rows
+    return w * torch.randn(m, d).norm(dim=1, keepdim=True)
+
+
+class RandomFeatures(nn.Module):
+    """phi(x) = exp(w.x - |x|^2/2) / sqrt(M) for queries and keys, up to factors that D^-1 cancels.
+
+    W (M, hd) is a buffer: in the state dict and a constant of the exported graph; redrawn in training only,
+    if asked. Inputs are the heads' q and k; the hd^-1/4 that makes phi(q).phi(k) estimate exp(q.k / sqrt(hd))
+    is folded into W. Each exp has a max subtracted first (the stable form): a factor per query, or one per
+    sequence and head for the keys, both of which cancel in D^-1 phi(Q) (phi(K)^T V).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.d_head, self.m = cfg.d_model // cfg.n_heads, cfg.features()
+        self.register_buffer("weight", orthogonal_gaussian(self.m, self.d_head))  # (M, hd), in the state dict
+        self.scale = self.d_head**-0.25  # on q and k each: q.k / sqrt(hd)
+        self.redraw_every, self.training_steps = cfg.feature_redraw, 0
+
+    def redraw_if_due(self) -> None:
+        """Called once per training forward pass: fresh features every `redraw_every` steps."""
+        if not (self.training and self.redraw_every):
+            return
+        self.training_steps += 1
+        if self.training_steps % self.redraw_every == 0:
+            self.weight.copy_(orthogonal_gaussian(self.m, self.d_head))
+
+    def exponents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, H, T, hd) -> w.x' (B, H, T, M) and |x'|^2/2 (B, H, T, 1), x' = x hd^-1/4."""
+        return x @ (self.weight.T * self.scale), x.square().sum(dim=-1, keepdim=True) * (self.scale**2 / 2)
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """phi(q) times a factor per query (B, H, T, M): |q|^2/2, 1/sqrt(M) and the max are such factors,
+        so exp(w.q' - max_i w_i.q') is all that is left; its largest feature is exp(0) = 1."""
+        a = q @ (self.weight.T * self.scale)
+        return torch.exp(a - a.amax(dim=-1, keepdim=True).detach())
+
+    def keys(self, k: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """phi(k) times one factor per sequence and head (B, H, T, M), zero at padding (keep (B, T) False).
+
+        The max subtracted is over real keys only, so padding changes neither it nor any real key's
+        features. The max, |k|^2/2 and padding all act on (B, H, T, 1): one exp over (T, M), no mask on it."""
+        a, half_norm = self.exponents(k)
+        real = keep[:, None, :, None]
+        peak = (a.amax(dim=-1, keepdim=True) - half_norm).masked_fill(~real, float("-inf")).amax(dim=2, keepdim=True)
+        offset = (half_norm + peak.detach()).masked_fill(~real, float("inf"))  # exp(a - inf) = 0 at padding
+        return torch.exp(a - offset)
+
+    def causal_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """phi(k) times a constant of W (B, H, T, M), each <= 1. A max over the sequence would mix future
+        keys into past positions and change with every new token; this bound needs none:
+        w.x - |x|^2/2 = |w|^2/2 - |x - w|^2/2 <= |w|^2/2 for every input x."""
+        a, half_norm = self.exponents(k)
+        return torch.exp(a - half_norm - self.bound())
+
+    def bound(self) -> torch.Tensor:
+        return self.weight.square().sum(dim=1).max() / 2
+
+
+class PerformerSelfAttention(HeadedAttention):
+    """Encoder self-attention as FAVOR+: D^-1 phi(Q) (phi(K)^T V) in O(n M hd), padded keys left out."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.features = RandomFeatures(cfg)
+
+    def forward(self, x, keep, e=None, f=None):  # e, f: the encoder passes none for this kind
+        self.features.redraw_if_due()
+        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))  # (B, H, T, hd)
+        phi_q, phi_k = self.features.queries(q), self.features.keys(k, keep)  # (B, H, T, M)
+        # V with a column of ones: one product gives phi(K)^T V and phi(K)^T 1, a second gives the
+        # numerator phi(Q) (phi(K)^T V) and the diagonal of D
+        v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, T, hd + 1)
+        y = phi_q @ (phi_k.transpose(2, 3) @ v1)  # (B, H, T, M) @ (B, H, M, hd + 1)
+        y = y[..., :-1] / y[..., -1:]  # D^-1 phi(Q) (phi(K)^T V): (B, H, T, hd)
+        return self.out(merge_heads(y))
+
+
+class CausalPerformerAttention(HeadedAttention):
+    """Decoder self-attention as causal FAVOR+: query t sees the prefix sums over keys 0..t.
+
+    The cache is the running state (sum of phi(k) v^T (B, H, M, hd), sum of phi(k) (B, H, M), positions
+    seen (B,)): constant in length, the Performer's KV cache. Keys are stabilised by a bound fixed with W,
+    not by a max over the sequence (RandomFeatures.causal_keys), so the incremental form is exact.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.features = RandomFeatures(cfg)
+
+    def forward(self, x, past: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        self.features.redraw_if_due()
+        B, T, _ = x.shape
+        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))  # (B, H, T, hd)
+        phi_q, phi_k = self.features.queries(q), self.features.causal_keys(k)  # (B, H, T, M)
+        # prefix sums over s <= t: phi(k_s) v_s^T (B, H, T, M, hd) and phi(k_s) (B, H, T, M). T M hd floats
+        # per head: fine at decoder lengths (tgt_n_max 256); decoding one token at a time holds only the state.
+        kv = torch.cumsum(phi_k.unsqueeze(-1) * v.unsqueeze(-2), dim=2)
+        k_sum = torch.cumsum(phi_k, dim=2)
+        seen = torch.full((B,), T, dtype=torch.long, device=x.device)
+        if past is not None:  # continue the sums from the cached positions
+            kv, k_sum = kv + past[0].unsqueeze(2), k_sum + past[1].unsqueeze(2)
+            seen = seen + past[2]
+        numerator = (phi_q.unsqueeze(-2) @ kv).squeeze(-2)  # (B, H, T, hd)
+        y = numerator / (phi_q * k_sum).sum(dim=-1, keepdim=True)
+        return self.out(merge_heads(y)), (kv[:, :, -1], k_sum[:, :, -1], seen)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Blocks and models
 
 
@@ -291,7 +430,8 @@ class EncoderBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.attn, self.mlp, self.drop = SelfAttention(cfg), MLP(cfg), nn.Dropout(cfg.dropout)
+        self.attn = PerformerSelfAttention(cfg) if cfg.attention == "performer" else SelfAttention(cfg)
+        self.mlp, self.drop = MLP(cfg), nn.Dropout(cfg.dropout)
 
     def forward(self, x, keep, e=None, f=None):
         x = x + self.drop(self.attn(self.ln1(x), keep, e, f))
@@ -302,7 +442,8 @@ class DecoderBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ln1, self.ln2, self.ln3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
-        self.self_attn, self.cross_attn = CausalSelfAttention(cfg), CrossAttention(cfg)
+        self.self_attn = CausalPerformerAttention(cfg) if cfg.attention == "performer" else CausalSelfAttention(cfg)
+        self.cross_attn = CrossAttention(cfg)
         self.mlp, self.drop = MLP(cfg), nn.Dropout(cfg.dropout)
 
     def forward(self, x, cross_kv, past=None):
@@ -398,7 +539,7 @@ class Translator(nn.Module):
 
     def decode(self, tgt_ids: torch.Tensor, cross: list[tuple], past: list | None = None):
         """tgt_ids (B, T) continuing after the cached positions -> logits (B, T, V), new cache."""
-        P = 0 if past is None else past[0][0].shape[2]
+        P = cached_positions(past)
         T = tgt_ids.shape[1]
         x = self.drop(self.embed(tgt_ids) * self.encoder.scale + self.tgt_pos[P : P + T])
         presents = []
@@ -409,6 +550,14 @@ class Translator(nn.Module):
 
     def forward(self, src_ids, src_mask, tgt_ids):
         return self.decode(tgt_ids, self.encode(src_ids, src_mask))[0]
+
+
+def cached_positions(past: list | None) -> int:
+    """Target positions already decoded: the key cache's length, or the count a Performer state keeps."""
+    if past is None:
+        return 0
+    layer = past[0]
+    return int(layer[2][0]) if len(layer) == 3 else layer[0].shape[2]
 
 
 def init_weights(module: nn.Module) -> None:

@@ -12,9 +12,9 @@ from export.classify import export_classifier, load_classifier
 from training.provenance import sha256_of
 
 
-@pytest.fixture(scope="module", params=["linformer", "transformer", "linformer-mean"])
+@pytest.fixture(scope="module", params=["linformer", "transformer", "linformer-mean", "performer"])
 def exported(request, tmp_path_factory):
-    """Both attention kinds; the Linformer with a learned E and with mean pooling."""
+    """All three attention kinds; the Linformer with a learned E and with mean pooling."""
     scratch = tmp_path_factory.mktemp(request.param)
     attention, _, projection = request.param.partition("-")
     checkpoint, tokenizer = make_tiny_checkpoint(scratch / "source", attention, projection or "linear")
@@ -38,10 +38,32 @@ def test_bundle_states_its_contract_and_every_file_is_in_the_manifest(exported):
     assert "Parity" in (bundle / "MODEL_CARD.md").read_text()
 
 
-def test_both_attention_kinds_use_ort_fused_attention(exported):
+def test_softmax_attention_kinds_use_ort_fused_attention_and_the_performer_plain_ops(exported):
     _, _, config = exported
-    assert config["export"]["fused_operators"].get("MultiHeadAttention") == 2  # one per layer
-    assert "SkipLayerNormalization" not in config["export"]["fused_operators"]  # slower on CPU: export/classify.py
+    fused = config["export"]["fused_operators"]
+    # Linformer and vanilla: one MultiHeadAttention per layer; FAVOR+ has no softmax attention to fuse
+    assert fused.get("MultiHeadAttention", 0) == (0 if config["attention"] == "performer" else 2)
+    assert "SkipLayerNormalization" not in fused  # slower on CPU: export/classify.py
+
+
+def test_performer_bundle_holds_its_random_features_and_exports_deterministically(tmp_path):
+    import onnx
+    from onnx import numpy_helper
+
+    checkpoint, tokenizer = make_tiny_checkpoint(tmp_path / "source", "performer")
+    bundle = tmp_path / "classify-performer"
+    config = export_classifier(checkpoint, tokenizer, bundle, bundle.name)
+
+    model, _ = load_classifier(checkpoint)
+    features = [t for name, t in model.state_dict().items() if name.endswith("features.weight")]
+    assert config["n_features"] == features[0].shape[0]
+    constants = [numpy_helper.to_array(t) for t in onnx.load(bundle / "model.onnx").graph.initializer]
+    d_head = model.cfg.d_model // model.cfg.n_heads
+    for w in features:  # as the graph uses it, folded by the exporter: W^T hd^-1/4 (model.linformer.RandomFeatures)
+        used = (w.T * d_head**-0.25).numpy()
+        assert any(c.shape == used.shape and np.allclose(c, used, rtol=1e-6, atol=0) for c in constants)
+    export_classifier(checkpoint, tokenizer, tmp_path / "again", bundle.name)
+    assert sha256_of(tmp_path / "again" / "model.onnx") == sha256_of(bundle / "model.onnx")
 
 
 @pytest.mark.parametrize("n", [1, 5, 33, TINY_N_MAX])

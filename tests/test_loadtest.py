@@ -15,7 +15,13 @@ import httpx
 import pytest
 from conftest import WORDS, build_tiny_classify_bundle, make_tiny_checkpoint
 
-from loadtest.flops import flop_ratio, linformer_layer_flops, vanilla_layer_flops
+from loadtest.flops import (
+    flop_ratio,
+    linformer_layer_flops,
+    performer_flop_ratio,
+    performer_layer_flops,
+    vanilla_layer_flops,
+)
 from loadtest.texts import Corpus, build_texts, cut_to_pieces, token_count
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,6 +130,16 @@ def test_flop_counts_match_a_hand_computed_layer():
     assert flop_ratio(4096, 128, 512, 128) == pytest.approx(5.818, abs=1e-3)
 
 
+def test_performer_flop_count_matches_a_hand_computed_layer():
+    # n=8, d=4, d_ff=8, M=3, 2 heads. QKVO 8·8·16 = 1024; features 4·8·4·3 = 384; φ(K)ᵀ[V 1] and
+    # φ(Q)·(φ(K)ᵀ[V 1]) 4·8·3·(4 + 2) = 576; FFN 4·8·4·8 = 1024.
+    assert performer_layer_flops(8, 4, 8, 3, 2) == 3008
+    # The served size (M = 128, 4 heads): the attention is 8·n·d·M, against the vanilla 4·n²·d, so the bound
+    # grows about linearly in n once attention dominates: 1.74 at 1024, 8.72 at 8192.
+    assert performer_flop_ratio(1024, 128, 512, 128, 4) == pytest.approx(939524096 / 538968064, abs=1e-6)
+    assert performer_flop_ratio(8192, 128, 512, 128, 4) == pytest.approx(37580963840 / 4311744512, abs=1e-6)
+
+
 def test_compressing_the_input_first_never_costs_more_than_the_papers_order():
     for n in (512, 2048, 8192):
         for k in (64, 128, 256):
@@ -163,6 +179,21 @@ def test_sweep_report_has_a_speedup_per_length(tmp_path):
     assert stem.with_suffix(".png").stat().st_size > 0
 
 
+def test_sweep_report_compares_each_deployment_with_the_last_named_when_there_are_three(tmp_path):
+    from loadtest import sweep
+
+    rows = [sweep_row("linformer", 1024, 1, 20.0, 50.0), sweep_row("performer", 1024, 1, 25.0, 40.0),
+            sweep_row("transformer", 1024, 1, 60.0, 16.0)]  # fmt: skip
+    args = argparse.Namespace(task="classify", labels=["linformer", "performer", "transformer"], out=tmp_path,
+                              suffix="", spawn=False, duration="5s", warmup=1, model_seconds=10, rounds=1,
+                              paired=True)  # fmt: skip
+    info = {label: {"base": "http://a", "model": label} for label in args.labels}
+    markdown = sweep.write_report(args, rows, info, "0 / 0 / 0").with_suffix(".md").read_text()
+    assert "linformer / performer vs transformer deployments" in markdown
+    assert "## 1 user — linformer vs transformer" in markdown and "## 1 user — performer vs transformer" in markdown
+    assert "| 1024 | 25 | 50 | 75 | 40 | 60 | 120 | 180 | 16 | 2.4 |" in markdown  # 60 / 25
+
+
 def test_table3_report_puts_measured_speedup_beside_the_paper(tmp_path, monkeypatch):
     from loadtest import table3
 
@@ -170,16 +201,25 @@ def test_table3_report_puts_measured_speedup_beside_the_paper(tmp_path, monkeypa
     rows = [{"size": "served", "n": n, "k": 128, "vanilla_ms": v, "linformer_ms": 10.0, "speedup": v / 10.0,
              "paper_speedup": table3.PAPER_SPEEDUP_K128[n], "flop_ratio": 2.0, "flop_ratio_paper_order": 1.5,
              "vanilla_peak_mib": 40.0, "linformer_peak_mib": 10.0, "memory_saving": 4.0, "vanilla_max_batch": "8",
-             "linformer_max_batch": "64", "runs": 5, "load_average_1min": 1.0}
+             "linformer_max_batch": "64", "m": 128, "performer_ms": 12.0, "performer_speedup": v / 12.0,
+             "performer_flop_ratio": 1.8, "performer_peak_mib": 8.0, "performer_memory_saving": 5.0,
+             "performer_max_batch": "32", "vanilla_cpu_ms": v / 2, "linformer_cpu_ms": 5.0, "performer_cpu_ms": 6.0,
+             "cpu_speedup": v / 10.0, "performer_cpu_speedup": v / 12.0, "runs": 5, "load_average_1min": 1.0}
             for n, v in ((2048, 30.0), (4096, 60.0))]  # fmt: skip
     args = argparse.Namespace(ks=[128], lengths=[2048, 4096], threads=1, reps=5, min_reps=3, seconds_per_length=9,
-                              budget_gib=2.0, probe_seconds=9, max_batch=64, projection="linear")  # fmt: skip
-    models = {"vanilla": {"fused": {"MultiHeadAttention": 2}}, "linformer-k128": {"fused": {"MultiHeadAttention": 2}}}
+                              budget_gib=2.0, probe_seconds=9, max_batch=64, projection="linear",
+                              suffix="")  # fmt: skip
+    models = {"vanilla": {"fused": {"MultiHeadAttention": 2}}, "linformer-k128": {"fused": {"MultiHeadAttention": 2}},
+              "performer": {"fused": {}, "m": 128}}
     table3.write_report(args, "served", rows, models, "0 / 0 / 0")
     markdown = (tmp_path / "table3-served.md").read_text()
     assert "| n | k | vanilla ms | Linformer ms | speedup | paper speedup (V100) |" in markdown
     assert "| 4096 | 128 | 60 | 10 | 6 | 3.4 |" in markdown
     assert "MultiHeadAttention" in markdown
+    # the three kinds side by side: times, then each speedup beside its own FLOP bound, then memory
+    assert "| n | vanilla ms | Linformer ms (k 128) | Performer ms (M 128) | Linformer speedup |" in markdown
+    assert "| 4096 | 60 | 10 | 12 | 6 | 2 | 5 | 1.8 | 40 | 10 | 8 | 4 | 5 | 8 | 64 | 32 | 1 |" in markdown
+    assert "| 4096 | 30 | 5 | 6 | 6 | 2 | 5 | 1.8 | 1 |" in markdown  # the same by CPU time
 
 
 # ---- Locust against a real service ----

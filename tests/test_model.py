@@ -48,7 +48,7 @@ def test_linformer_with_identity_projection_equals_vanilla_attention(sharing):
     assert not torch.allclose(linformer(ids, keep), vanilla(ids, keep), atol=1e-3)
 
 
-CASES = [("transformer", "linear", "layerwise")] + [
+CASES = [("transformer", "linear", "layerwise"), ("performer", "linear", "layerwise")] + [
     ("linformer", projection, sharing) for projection, sharing in itertools.product(PROJECTIONS, SHARING)
 ]
 
@@ -139,14 +139,18 @@ def test_config_round_trips_through_json_and_rebuilds_the_same_model():
         torch.testing.assert_close(rebuilt(ids, mask), model(ids, mask))
 
 
-def translator(cross_attention: str = "linformer") -> Translator:
-    cfg = small(n_decoder_layers=2, tgt_n_max=32, cross_attention=cross_attention, k_cross=8)
+def translator(cross_attention: str = "linformer", attention: str = "linformer") -> Translator:
+    cfg = small(n_decoder_layers=2, tgt_n_max=32, attention=attention, cross_attention=cross_attention, k_cross=8)
     return Translator(cfg).eval()
 
 
-@pytest.mark.parametrize("cross_attention", ["linformer", "transformer"])
-def test_decoder_is_causal(cross_attention):
-    model = translator(cross_attention)
+# (encoder and decoder self-attention, cross-attention): the Performer's decoder is causal FAVOR+
+DECODERS = [("linformer", "linformer"), ("linformer", "transformer"), ("performer", "transformer")]
+
+
+@pytest.mark.parametrize("attention,cross_attention", DECODERS)
+def test_decoder_is_causal(attention, cross_attention):
+    model = translator(cross_attention, attention)
     src = random_ids(model.cfg, 2, 20)
     src_mask = torch.ones(2, 20, dtype=torch.long)
     tgt = random_ids(model.cfg, 2, 12)
@@ -159,9 +163,9 @@ def test_decoder_is_causal(cross_attention):
     assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :], atol=1e-3)  # later positions do see them
 
 
-@pytest.mark.parametrize("cross_attention", ["linformer", "transformer"])
-def test_incremental_decoding_with_cache_equals_full_forward(cross_attention):
-    model = translator(cross_attention)
+@pytest.mark.parametrize("attention,cross_attention", DECODERS)
+def test_incremental_decoding_with_cache_equals_full_forward(attention, cross_attention):
+    model = translator(cross_attention, attention)
     src, src_mask = pad_batch([random_ids(model.cfg, 20), random_ids(model.cfg, 9)])
     tgt = random_ids(model.cfg, 2, 10)
     with torch.no_grad():
@@ -174,9 +178,9 @@ def test_incremental_decoding_with_cache_equals_full_forward(cross_attention):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cross_attention", ["linformer", "transformer"])
-def test_translation_is_invariant_to_source_padding(cross_attention):
-    model = translator(cross_attention)
+@pytest.mark.parametrize("attention,cross_attention", DECODERS)
+def test_translation_is_invariant_to_source_padding(attention, cross_attention):
+    model = translator(cross_attention, attention)
     short, long = random_ids(model.cfg, 9), random_ids(model.cfg, 40)
     src, src_mask = pad_batch([short, long])
     tgt = random_ids(model.cfg, 2, 7)

@@ -2,6 +2,7 @@
 
     python -m training classify --attention linformer --k 128 --n-max 4096 --out runs/classify-linformer-k128
     python -m training classify --attention transformer --n-max 4096 --out runs/classify-transformer
+    python -m training classify --attention performer --n-max 4096 --out runs/classify-performer
     python -m training pretrain --attention linformer --k 128 --projection mean --out runs/pretrain-linformer-k128
     python -m training classify --data .cache/data/reviews --init-from runs/pretrain-linformer-k128/best.pt ...
     python -m training translate --attention linformer --k 64 --out runs/translate-linformer-k64
@@ -25,13 +26,17 @@ from training.trainer import TrainConfig, train
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--attention", choices=["linformer", "transformer"], default="linformer")
+    p.add_argument("--attention", choices=["linformer", "transformer", "performer"], default="linformer")
     p.add_argument("--k", type=int, nargs="+", default=[128], help="projected length; one per layer allowed")
     p.add_argument("--n-max", type=int, default=4096)
     p.add_argument("--sharing", choices=["none", "headwise", "key-value", "layerwise"], default="layerwise")
     p.add_argument("--projection", choices=["linear", "mean", "max", "conv"], default="linear")
     p.add_argument("--projection-init", choices=["random", "mean"], default="random",
                    help="linear E/F: random (fairseq) or starting as mean pooling over n_max/k positions")
+    p.add_argument("--n-features", type=int, default=0,
+                   help="performer: random features M per head (default d_head ln d_head, whole blocks of d_head)")
+    p.add_argument("--feature-redraw", type=int, default=0,
+                   help="performer: draw new random features every N training steps (0: never; never at inference)")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--n-heads", type=int, default=4)
     p.add_argument("--n-layers", type=int, default=2)
@@ -76,6 +81,7 @@ def run_classify(args: argparse.Namespace) -> None:
         n_heads=args.n_heads, n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout,
         attention=args.attention, k=args.k[0] if len(args.k) == 1 else args.k, sharing=args.sharing,
         projection=args.projection, projection_init=args.projection_init, num_labels=len(LABELS),
+        n_features=args.n_features, feature_redraw=args.feature_redraw,
     )  # fmt: skip
     task = ClassifyTask(data, cfg)
     extra = {"task": "classify", "labels": LABELS, "data": str(data), "data_meta": meta}
@@ -97,6 +103,7 @@ def run_pretrain(args: argparse.Namespace) -> None:
         n_heads=args.n_heads, n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout,
         attention=args.attention, k=args.k[0] if len(args.k) == 1 else args.k, sharing=args.sharing,
         projection=args.projection, projection_init=args.projection_init,
+        n_features=args.n_features, feature_redraw=args.feature_redraw,
     )  # fmt: skip
     task = PretrainTask(data, cfg, seq_len=args.seq_len, mask_prob=args.mask_prob, seed=args.seed,
                         eval_sequences=args.eval_sequences)  # fmt: skip
@@ -111,13 +118,14 @@ def run_translate(args: argparse.Namespace) -> None:
     data = Path(args.data)
     meta = json.loads((data / "meta.json").read_text())
     # Linformer models compress the encoder self-attention to k and, unless --cross-attention transformer,
-    # the cross-attention to k_cross (default k).
-    cross = args.cross_attention or args.attention
+    # the cross-attention to k_cross (default k). Performer models attend over the source in full.
+    cross = args.cross_attention or ("transformer" if args.attention == "performer" else args.attention)
     cfg = ModelConfig(
         vocab_size=meta["tokenizer"]["vocab_size"], n_max=args.n_max, d_model=args.d_model,
         n_heads=args.n_heads, n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout,
         attention=args.attention, k=args.k[0] if len(args.k) == 1 else args.k, sharing=args.sharing,
         projection=args.projection, projection_init=args.projection_init,
+        n_features=args.n_features, feature_redraw=args.feature_redraw,
         n_decoder_layers=args.n_decoder_layers, tgt_n_max=args.tgt_n_max,
         cross_attention=cross, k_cross=(args.k_cross or args.k[0]) if cross == "linformer" else 0,
     )  # fmt: skip
