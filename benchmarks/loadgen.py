@@ -47,7 +47,7 @@ class Server:
     """`python -m service` in its own process, optionally pinned to CPU cores with `taskset`."""
 
     def __init__(self, port: int, env: dict[str, str], cores: str | None = "0", log: Path | None = None):
-        self.port = port
+        self.port, self.env = port, env
         command = [sys.executable, "-m", "service", "--port", str(port)]
         if cores is not None:
             command = ["taskset", "-c", cores, *command]
@@ -90,6 +90,17 @@ class Server:
             code = self.proc.wait()
         self.log.close()
         return code
+
+
+def classify_server_on_core_0(bundle: str, settings: list[str]) -> Server:
+    """The measured set-up of overload and soak: one classify bundle, 1 ORT thread, the server on core 0 and
+    this process (the load) on core 1; `settings` are extra `LINFORMER_X=value` strings."""
+    env = {"LINFORMER_CLASSIFY_MODEL": bundle, "LINFORMER_TRANSLATE_MODEL": "",
+           "LINFORMER_ORT_INTRA_OP_THREADS": "1", "LINFORMER_ORT_INTER_OP_THREADS": "1",
+           "LINFORMER_LOG_LEVEL": "warning", **dict(s.split("=", 1) for s in settings)}  # fmt: skip
+    server = Server(free_port(), env, cores="0")
+    pin_to({1})
+    return server
 
 
 # uvicorn closes a keep-alive connection idle for 5 s; like any HTTP client pool, ours drops idle connections

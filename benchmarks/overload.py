@@ -28,12 +28,10 @@ sys.path.insert(0, str(REPO))
 from benchmarks.loadgen import (  # noqa: E402
     REVIEW,
     Record,
-    Server,
+    classify_server_on_core_0,
     closed_loop,
-    free_port,
     open_loop,
     percentile,
-    pin_to,
     post_request,
 )  # fmt: skip
 from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
@@ -117,12 +115,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
     load_before = load_average()
-    env = {"LINFORMER_CLASSIFY_MODEL": args.bundle, "LINFORMER_TRANSLATE_MODEL": "",
-           "LINFORMER_ORT_INTRA_OP_THREADS": "1", "LINFORMER_ORT_INTER_OP_THREADS": "1",
-           "LINFORMER_LOG_LEVEL": "warning", **dict(s.split("=", 1) for s in args.setting)}  # fmt: skip
-    port = free_port()
-    server = Server(port, env, cores="0")
-    pin_to({1})
+    server = classify_server_on_core_0(args.bundle, args.setting)
+    port = server.port
     request = post_request("/classify", json.dumps({"text": REVIEW}).encode())
     try:
         asyncio.run(closed_loop(port, request, 8, 3.0))  # warm-up
@@ -168,7 +162,7 @@ def main() -> None:
                    load_before)  # fmt: skip
     lines += [
         "Server: `python -m service` pinned to core 0 (`taskset -c 0`), 1 ORT thread, settings at their defaults "
-        f"except {', '.join(f'`{k}={v}`' for k, v in env.items())}. Load generator: this script's raw asyncio "
+        f"except {', '.join(f'`{k}={v}`' for k, v in server.env.items())}. Load generator: this script's raw asyncio "
         "HTTP/1.1 client pinned to core 1, one ~50-token review per request. The machine is shared with other "
         "jobs (load average above), so absolute rates move from run to run; the ratios compare figures from "
         "this one run.",

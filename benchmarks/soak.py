@@ -21,7 +21,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.loadgen import REVIEW, Server, closed_loop, free_port, open_loop, percentile, pin_to, post_request  # noqa: E402
+from benchmarks.loadgen import (  # noqa: E402
+    REVIEW,
+    classify_server_on_core_0,
+    closed_loop,
+    open_loop,
+    percentile,
+    post_request,
+)  # fmt: skip
 from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
 
 SAMPLE_S = 5.0
@@ -37,13 +44,11 @@ def main() -> None:
     parser.add_argument("--stem", help="results file name (default soak-<bundle>)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
+    if args.minutes * 60 <= 2 * WARM_UP_S:
+        parser.error(f"--minutes must leave time after the {WARM_UP_S:g}-s warm-up to measure RSS growth over")
     load_before = load_average()
-    env = {"LINFORMER_CLASSIFY_MODEL": args.bundle, "LINFORMER_TRANSLATE_MODEL": "",
-           "LINFORMER_ORT_INTRA_OP_THREADS": "1", "LINFORMER_ORT_INTER_OP_THREADS": "1",
-           "LINFORMER_LOG_LEVEL": "warning", **dict(s.split("=", 1) for s in args.setting)}  # fmt: skip
-    port = free_port()
-    server = Server(port, env, cores="0")
-    pin_to({1})
+    server = classify_server_on_core_0(args.bundle, args.setting)
+    port = server.port
     request = post_request("/classify", json.dumps({"text": REVIEW}).encode())
     seconds = args.minutes * 60
     rss: list[tuple[float, float]] = []
@@ -103,7 +108,7 @@ def main() -> None:
                    ("onnxruntime", "fastapi", "uvicorn"), load_before)  # fmt: skip
     lines += [
         "Server: `python -m service` pinned to core 0, 1 ORT thread, default settings except "
-        f"{', '.join(f'`{k}={v}`' for k, v in env.items())}. Load generator: raw asyncio "
+        f"{', '.join(f'`{k}={v}`' for k, v in server.env.items())}. Load generator: raw asyncio "
         "HTTP/1.1 client on core 1, open loop, one ~50-token review per request. The machine is shared with "
         "other jobs; the 1-minute load average is in the CSV for every 5-s window.",
         "",

@@ -71,19 +71,23 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     )  # fmt: skip
 
 
+def model_config(args: argparse.Namespace, data_meta: dict, **task_fields) -> ModelConfig:
+    """The encoder every task shares, from the model arguments; the task adds its own fields."""
+    return ModelConfig(
+        vocab_size=data_meta["tokenizer"]["vocab_size"], n_max=args.n_max, d_model=args.d_model,
+        n_heads=args.n_heads, n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout,
+        attention=args.attention, k=args.k[0] if len(args.k) == 1 else args.k, sharing=args.sharing,
+        projection=args.projection, projection_init=args.projection_init,
+        n_features=args.n_features, feature_redraw=args.feature_redraw, **task_fields,
+    )  # fmt: skip
+
+
 def run_classify(args: argparse.Namespace) -> None:
     from training.classify import LABELS, ClassifyTask
 
     data = Path(args.data)
     meta = json.loads((data / "meta.json").read_text())
-    cfg = ModelConfig(
-        vocab_size=meta["tokenizer"]["vocab_size"], n_max=args.n_max, d_model=args.d_model,
-        n_heads=args.n_heads, n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout,
-        attention=args.attention, k=args.k[0] if len(args.k) == 1 else args.k, sharing=args.sharing,
-        projection=args.projection, projection_init=args.projection_init, num_labels=len(LABELS),
-        n_features=args.n_features, feature_redraw=args.feature_redraw,
-    )  # fmt: skip
-    task = ClassifyTask(data, cfg)
+    task = ClassifyTask(data, model_config(args, meta, num_labels=len(LABELS)))
     extra = {"task": "classify", "labels": LABELS, "data": str(data), "data_meta": meta}
     if args.init_from:
         from training.trainer import load_pretrained_encoder
@@ -98,14 +102,7 @@ def run_pretrain(args: argparse.Namespace) -> None:
 
     data = Path(args.data)
     meta = json.loads((data / "meta.json").read_text())
-    cfg = ModelConfig(
-        vocab_size=meta["tokenizer"]["vocab_size"], n_max=args.n_max, d_model=args.d_model,
-        n_heads=args.n_heads, n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout,
-        attention=args.attention, k=args.k[0] if len(args.k) == 1 else args.k, sharing=args.sharing,
-        projection=args.projection, projection_init=args.projection_init,
-        n_features=args.n_features, feature_redraw=args.feature_redraw,
-    )  # fmt: skip
-    task = PretrainTask(data, cfg, seq_len=args.seq_len, mask_prob=args.mask_prob, seed=args.seed,
+    task = PretrainTask(data, model_config(args, meta), seq_len=args.seq_len, mask_prob=args.mask_prob, seed=args.seed,
                         eval_sequences=args.eval_sequences)  # fmt: skip
     extra = {"task": "pretrain", "data": str(data), "data_meta": {k: meta[k] for k in ("sha256", "tokens", "sources")},
              "seq_len": args.seq_len, "mask_prob": args.mask_prob, "train_sequences": task.train_rows.shape[0]}
@@ -120,13 +117,8 @@ def run_translate(args: argparse.Namespace) -> None:
     # Linformer models compress the encoder self-attention to k and, unless --cross-attention transformer,
     # the cross-attention to k_cross (default k). Performer models attend over the source in full.
     cross = args.cross_attention or ("transformer" if args.attention == "performer" else args.attention)
-    cfg = ModelConfig(
-        vocab_size=meta["tokenizer"]["vocab_size"], n_max=args.n_max, d_model=args.d_model,
-        n_heads=args.n_heads, n_layers=args.n_layers, d_ff=args.d_ff, dropout=args.dropout,
-        attention=args.attention, k=args.k[0] if len(args.k) == 1 else args.k, sharing=args.sharing,
-        projection=args.projection, projection_init=args.projection_init,
-        n_features=args.n_features, feature_redraw=args.feature_redraw,
-        n_decoder_layers=args.n_decoder_layers, tgt_n_max=args.tgt_n_max,
+    cfg = model_config(
+        args, meta, n_decoder_layers=args.n_decoder_layers, tgt_n_max=args.tgt_n_max,
         cross_attention=cross, k_cross=(args.k_cross or args.k[0]) if cross == "linformer" else 0,
     )  # fmt: skip
     task = TranslateTask(data, cfg)
