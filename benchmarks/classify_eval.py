@@ -28,6 +28,7 @@ from loadtest.report import header, load_average, markdown_table, write_csv  # n
 from service.bundle import load_bundle  # noqa: E402
 from service.runtime import ClassifierRuntime, make_session  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
+from training.batching import bucketed_batches, pad  # noqa: E402
 from training.classify import read_split_with_source  # noqa: E402
 
 BUCKETS = (("≤ 32 tokens", 0, 32), ("33–256 tokens", 33, 256), ("> 256 tokens", 257, 1 << 30))
@@ -43,22 +44,11 @@ def bundle_predictions(bundle_dir: Path, texts: list[str], threads: int, max_tok
     ids = [e.ids for e in tokenizer.encode_all(texts, truncate=True)]
     positive = bundle.labels.index("positive")
     scores = np.zeros(len(texts))
-    order = sorted(range(len(texts)), key=lambda i: len(ids[i]))
-    start = 0
-    while start < len(order):
-        longest, end = len(ids[order[start]]), start
-        while end < len(order) and (end - start + 1) * max(longest, len(ids[order[end]])) <= max_tokens:
-            longest = max(longest, len(ids[order[end]]))
-            end += 1
-        rows = order[start:end]
-        batch = np.full((len(rows), longest), bundle.pad_id, dtype=np.int64)
-        mask = np.zeros_like(batch)
-        for r, i in enumerate(rows):
-            batch[r, : len(ids[i])], mask[r, : len(ids[i])] = ids[i], 1
-        logits = runtime.run(batch, mask)
+    for rows in bucketed_batches([len(i) for i in ids], max_tokens, max_batch=256):  # sorted by length
+        batch, mask = pad([ids[i] for i in rows], bundle.pad_id)
+        logits = runtime.run(batch.numpy(), mask.numpy())
         exp = np.exp(logits - logits.max(axis=1, keepdims=True))
         scores[rows] = exp[:, positive] / exp.sum(axis=1)
-        start = end
     return scores
 
 
