@@ -85,10 +85,9 @@ class RequestContextMiddleware:
         admitted = False
         try:
             if task is not None and self.in_flight[task] >= self.max_concurrent:
-                self.metrics.rejected.labels(task, "concurrency").inc()
-                retry_after = str(max(1, math.ceil(self._latency_s[task])))
+                retry_after = self._refuse(task)
                 await self._send_error(send_with_context, 429, "overloaded", request_id, self._at_capacity(task),
-                                       [(b"retry-after", retry_after.encode())])  # fmt: skip
+                                       [(b"retry-after", str(retry_after).encode())])  # fmt: skip
             elif self._declared_length(scope) > self.max_body_bytes:
                 await self._send_error(send_with_context, 413, "body_too_large", request_id, self._too_large)
             else:
@@ -131,15 +130,20 @@ class RequestContextMiddleware:
             return None
         request_id = self._request_id(scope)
         body = error_body("overloaded", self._at_capacity(path), request_id)
-        retry_after = max(1, math.ceil(self._latency_s[path]))
+        retry_after = self._refuse(path)
         close = b"connection: close\r\n" if self.state.draining else b""
-        self.metrics.rejected.labels(path, "concurrency").inc()
         self.metrics.requests.labels(path, "429").inc()
         access_log.info("request_id=%s method=POST path=%s status=429 duration_ms=0.00 client=%s",
                         request_id, path, (scope.get("client") or ("-", 0))[0])  # fmt: skip
         return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                 b"retry-after: %d\r\nx-request-id: %s\r\n%s\r\n" % (len(body), retry_after, request_id.encode(), close)
                 ) + body  # fmt: skip
+
+    def _refuse(self, task: str) -> int:
+        """Count a refusal at admission; -> Retry-After in seconds: the recent time a request of this task
+        spends in the server, by which the requests in progress will be done (Little's law)."""
+        self.metrics.rejected.labels(task, "concurrency").inc()
+        return max(1, math.ceil(self._latency_s[task]))
 
     def _request_id(self, scope: Scope) -> str:
         given_id = next((value for name, value in scope["headers"] if name == b"x-request-id"), b"")
