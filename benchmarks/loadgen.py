@@ -43,6 +43,25 @@ def post_request(path: str, body: bytes) -> bytes:
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
 
 
+def wait_until_ready(proc: subprocess.Popen, port: int, timeout_s: float = 60) -> None:
+    """Poll /readyz of a server process just started until it answers 200; raise if it exits or times out."""
+    import http.client
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+            conn.request("GET", "/readyz")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server did not become ready")
+
+
 class Server:
     """`python -m service` in its own process, optionally pinned to CPU cores with `taskset`."""
 
@@ -54,24 +73,7 @@ class Server:
         self.log = open(log or os.devnull, "w")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **env}, stdout=self.log,
                                      stderr=subprocess.STDOUT)  # fmt: skip
-        self._wait_ready()
-
-    def _wait_ready(self, timeout_s: float = 60) -> None:
-        import http.client
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1)
-                conn.request("GET", "/readyz")
-                if conn.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not become ready")
+        wait_until_ready(self.proc, port)
 
     def rss_mb(self) -> float:
         """Resident memory of the server process (the taskset child execs into python, same pid)."""

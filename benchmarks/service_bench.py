@@ -24,7 +24,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.loadgen import free_port, wait_until_ready  # noqa: E402
 from service.bundle import Bundle, load_bundle  # noqa: E402
 from service.runtime import choose_providers, make_session  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
@@ -95,12 +95,6 @@ def raw_texts_per_s(bundle: Bundle, ids: list[int], batch: int, threads: int, se
     return runs * batch / (time.perf_counter() - started)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, bundle: Bundle, **env: str):
         self.port = free_port()
@@ -115,18 +109,10 @@ class Server:
             [sys.executable, "-m", "service", "--port", str(self.port)], cwd=REPO, env=environment,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read()}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1)
-                conn.request("GET", "/readyz")
-                if conn.getresponse().status == 200:
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise RuntimeError("server did not become ready")
+        try:
+            wait_until_ready(self.proc, self.port)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}: {self.proc.stderr.read() if self.proc.poll() is not None else ''}") from None
 
     def metrics(self) -> str:
         conn = http.client.HTTPConnection("127.0.0.1", self.port)
