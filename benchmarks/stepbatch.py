@@ -150,6 +150,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--stem", default="stepbatch")
+    parser.add_argument("--schedulings", default=",".join(SCHEDULINGS), help="for trial runs: e.g. only step")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     users = [int(u) for u in args.users.split(",")]
@@ -157,7 +158,8 @@ def main() -> None:
     bodies = request_bodies(lengths)
     rows, raw, tokens = [], {}, None
     for round_ in range(args.rounds):
-        order = SCHEDULINGS if round_ % 2 == 0 else SCHEDULINGS[::-1]
+        chosen = [s for s in SCHEDULINGS if s in args.schedulings.split(",")]
+        order = chosen if round_ % 2 == 0 else chosen[::-1]
         for scheduling in order:
             env = {"LINFORMER_TRANSLATE_MODEL": args.bundle, "LINFORMER_CLASSIFY_MODEL": "",
                    "LINFORMER_TRANSLATE_SCHEDULING": scheduling, "LINFORMER_ORT_INTRA_OP_THREADS": "1",
@@ -178,6 +180,8 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
             finally:
                 server.stop()
+    if len(chosen) < len(SCHEDULINGS):
+        return  # a trial: the per-run lines above are the result
     summary = [pooled(rows, s, u, raw) for s in SCHEDULINGS for u in users]
     by = {(r["scheduling"], r["users"]): r for r in summary}
     top = max(users)

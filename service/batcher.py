@@ -304,7 +304,9 @@ class LiveDecoding(Protocol):
 
     def admit(self, input_ids: np.ndarray, attention_mask: np.ndarray, sources: list[tuple[Hashable, Any]]) -> None: ...
 
-    def step(self) -> tuple[dict[Hashable, Any], dict[Hashable, Exception]]: ...
+    lengths: list[int]  # target lengths of the live rows, shortest first
+
+    def step(self, lengths: list[int]) -> tuple[dict[Hashable, Any], dict[Hashable, Exception]]: ...
 
     def drop(self, keys: set) -> None: ...
 
@@ -324,9 +326,11 @@ class StepBatcher(Batcher):
     Batcher. A runtime error fails the sources it hit (BatchFailed), not the others.
     """
 
-    def __init__(self, live: LiveDecoding, **batcher_settings: Any):
+    def __init__(self, live: LiveDecoding, *, step_all_every: int = 1, **batcher_settings: Any):
         super().__init__(self._no_whole_batches, **batcher_settings)
         self.live = live
+        self.step_all_every = step_all_every
+        self._steps = 0  # decoder steps run so far
         self._live_items: list[_Item] = []  # admission order
         self._cost_done = 0  # cost of the sources answered since the last throughput update
         self._busy_s = 0.0  # compute time since then
@@ -370,8 +374,13 @@ class StepBatcher(Batcher):
                     for item in joining:
                         self.metrics.queue_wait.labels(self.name).observe(now - item.enqueued_at)
             started = time.monotonic()
-            finished, failed = await loop.run_in_executor(self._executor, self._advance, joining, leaving)
+            try:
+                finished, failed = await loop.run_in_executor(self._executor, self._advance, joining, leaving)
+            except Exception as error:  # a fault outside any one decoder call: nothing live can be trusted
+                finished, failed = {}, dict.fromkeys(self._live_items, error)
+                self.live.drop(set(self._live_items))
             self._busy_s += time.monotonic() - started
+            self._steps += 1
             self._answer(finished, failed)
 
     def _leaving_live(self) -> set:
@@ -430,7 +439,10 @@ class StepBatcher(Batcher):
                 )  # fmt: skip
         if not self.live.rows:
             return {}, failed
-        finished, step_failed = self.live.step()
+        lengths = self.live.lengths
+        if self._steps % self.step_all_every:  # the youngest rows only: the others wait for them to catch up
+            lengths = lengths[:1]
+        finished, step_failed = self.live.step(lengths)
         return finished, failed | step_failed
 
     def _answer(self, finished: dict, failed: dict) -> None:

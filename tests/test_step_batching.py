@@ -40,10 +40,10 @@ class RecordingLive(LiveDecode):
         self.step_delay_s = step_delay_s
         self.steps: list[tuple[int, set]] = []  # (cohorts, keys) before each step
 
-    def step(self):
+    def step(self, lengths=None):
         self.steps.append((len(self.cohorts), {search.key for cohort in self.cohorts for search in cohort.searches}))
         time.sleep(self.step_delay_s)
-        return super().step()
+        return super().step(lengths)
 
 
 class Recorded:
