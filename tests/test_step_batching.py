@@ -112,8 +112,9 @@ async def test_greedy_under_staggered_concurrent_arrivals_equals_decoding_each_a
     for (_, response), tokens in zip(answered, expected, strict=True):
         assert response.status_code == 200, response.text
         assert response.json()["translations"][0] == {"text": tokenizer.decode(tokens), "tokens": len(tokens)}
-    steps = wrappers[0].lives[0].steps
-    assert max(cohorts for cohorts, _ in steps) >= 2, "sources should have joined while others were decoding"
+    live = wrappers[0].lives[0]
+    assert max(cohorts for cohorts, _ in live.steps) >= 2, "sources should have joined while others were decoding"
+
     # the first request (128 tokens, a long output) was still decoding when later, shorter ones were answered
     first_done = answered[0][0]
     assert any(done < first_done for done, _ in answered[1:])
@@ -130,6 +131,31 @@ async def test_beam_search_and_greedy_sharing_steps_equal_each_decoded_alone():
         answered = await staggered(client, payloads, gap_s=0.003)
     assert [r.json()["translations"][0]["text"] for _, r in answered] == [tokenizer.decode(t) for t in expected]
     assert max(cohorts for cohorts, _ in wrappers[0].lives[0].steps) >= 2
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_rows_that_catch_up_with_older_ones_share_their_decoder_call_and_decode_as_alone(beam_size):
+    from service.batcher import pad
+
+    _, tokenizer, runtime = translator("translate-linformer")
+    texts = [LOAD_TEXTS["64"][0], LOAD_TEXTS["16"][1], SHORT_TEXTS[2]]
+    live = runtime.live()
+    live.admit(*pad([source_ids(tokenizer, texts[0])], 0), [("old", (beam_size, 256))])
+    for _ in range(3):
+        live.step()
+    live.admit(*pad([source_ids(tokenizer, t) for t in texts[1:]], 0), [("new", (beam_size, 256)),
+                                                                        ("newer", (beam_size, 256))])  # fmt: skip
+    assert live.lengths == [0, 3]
+    outputs: dict = {}
+    for _ in range(3):  # only the newcomers step: they reach the old row's length and join its call
+        outputs.update(live.step(live.lengths[:1])[0])
+    assert live.lengths == [3] and len(live.cohorts[0].searches) == 3 - len(outputs)
+    while live.rows:
+        finished, failed = live.step()
+        assert not failed
+        outputs.update(finished)
+    assert outputs == {key: alone(runtime, tokenizer, text, beam_size)
+                       for key, text in zip(("old", "new", "newer"), texts, strict=True)}  # fmt: skip
 
 
 def make_step_batcher(live, **overrides) -> StepBatcher:
