@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.loadgen import Connection, Server, free_port, percentile, pin_to, post_request  # noqa: E402
 from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
 from loadtest.texts import texts_of_length, translate_max_new_tokens  # noqa: E402
+from service.config import Settings  # noqa: E402
 
 SHORT = 32  # source tokens: the "short requests"
 SCHEDULINGS = ("step", "request")
@@ -200,7 +201,9 @@ def main() -> None:
         f"Bundle {args.bundle}; source lengths {lengths} tokens in turn per client, greedy, max_new_tokens = 2n + 8; "
         f"{args.rounds} round(s) of {args.seconds:g} s per (scheduling, users), schedulings alternating in order; "
         "server pinned to core 1 with 1 ORT thread, this load generator on core 0; other settings at their "
-        f"defaults. Generated tokens per text (warm-up, same under both): {sum(tokens)} over {len(tokens)} texts.",
+        f"defaults (step: LINFORMER_TRANSLATE_STEP_ALL_EVERY={Settings().translate_step_all_every}). Texts: "
+        f"LOADTEST_TRANSLATE_DATA={os.environ.get('LOADTEST_TRANSLATE_DATA', '(committed loadtest/data)')}. "
+        f"Generated tokens per text (warm-up, same under both): {sum(tokens)} over {len(tokens)} texts.",
         "",
         *markdown_table(summary, {"scheduling": "scheduling", "users": "users", "rounds": "rounds",
                                   "tokens_per_s": "generated tokens/s", "requests_per_s": "requests/s",
