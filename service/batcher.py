@@ -14,6 +14,9 @@ follows the work asked for rather than the request count; Retry-After is the que
 recent throughput in cost per second. A runtime error fails only its batch's requests (BatchFailed).
 The runtime call runs in a worker thread, off the event loop.
 
+StepBatcher (at the end) keeps this request side but schedules a step-by-step runtime at every decoder step
+(continuous batching): sources join and leave between steps instead of batches of whole requests.
+
 The batcher knows nothing about the task: `run_batch(input_ids, attention_mask, options,
 stop_if_abandoned)` returns one output per row. Items are only batched with items of equal `options`
 (e.g. a translation request's beam size), so a translation runtime plugs in without changing this file.
@@ -299,12 +302,11 @@ class LiveDecoding(Protocol):
 
     rows: int  # cache rows live now (beams count)
     cache_tokens: int  # positions their caches hold (source + target so far, per row)
+    lengths: list[int]  # distinct target lengths of the live rows, shortest first: one decoder call each
 
     def rows_for(self, options: Hashable) -> int: ...
 
     def admit(self, input_ids: np.ndarray, attention_mask: np.ndarray, sources: list[tuple[Hashable, Any]]) -> None: ...
-
-    lengths: list[int]  # target lengths of the live rows, shortest first
 
     def step(self, lengths: list[int]) -> tuple[dict[Hashable, Any], dict[Hashable, Exception]]: ...
 
@@ -316,14 +318,19 @@ class StepBatcher(Batcher):
 
     The request side is Batcher's: the same queue bounded by cost (QueueFull, Retry-After), deadlines and
     dropping of queued items whose client went away. The worker differs: instead of decoding a batch of
-    whole requests until its last sentence ends, it runs one decoder step over every live source at a time
-    and, between steps, (1) drops each live source whose request is gone or past its deadline (the per-source
-    form of `stop_if_abandoned`), (2) admits queued sources, oldest first, while the live sources stay within
+    whole requests until its last sentence ends, it runs decoder steps over the live sources and, between
+    steps, (1) drops each live source whose request is gone or past its deadline (the per-source form of
+    `stop_if_abandoned`), (2) admits queued sources, oldest first, while the live sources stay within
     `max_batch_size` texts and `max_batch_tokens` cache positions (rows x (source + target so far): what the
     next steps will read), and (3) answers each source whose search ended at once. Sources with any options
     share the steps (each keeps its own beam size and length limit); a request's beams join and leave
     together. When nothing is live, the oldest queued source may wait `max_wait_s` for companions, as in
     Batcher. A runtime error fails the sources it hit (BatchFailed), not the others.
+
+    Which rows step: the runtime needs one decoder call per distinct decoded length, and rows reaching the
+    same length merge into one call. So a step advances only the rows that have decoded the fewest tokens:
+    newcomers catch up with older rows and share their call instead of adding a call per arrival. Every
+    `step_all_every`-th step advances all rows, so older rows are slowed, never starved (1: all rows always).
     """
 
     def __init__(self, live: LiveDecoding, *, step_all_every: int = 1, **batcher_settings: Any):
@@ -421,7 +428,7 @@ class StepBatcher(Batcher):
         return joining, False
 
     def _advance(self, joining: list[_Item], leaving: set) -> tuple[dict, dict]:
-        """Compute thread: the leaving sources go, the joining ones are encoded, then one step for all."""
+        """Compute thread: the leaving sources go, the joining ones are encoded, then one step (see the class)."""
         if leaving:
             self.live.drop(leaving)
         failed: dict[Hashable, Exception] = {}
