@@ -326,3 +326,25 @@ def test_the_scheduling_setting_reads_step_or_request_from_the_environment(monke
     monkeypatch.setenv("LINFORMER_TRANSLATE_SCHEDULING", "continuous")
     with pytest.raises(ValueError):
         Settings(_env_file=None)
+
+
+@pytest.fixture(scope="module")
+def tiny_translate(tmp_path_factory):
+    from conftest import build_tiny_translate_bundle
+
+    root = tmp_path_factory.mktemp("tiny-step")
+    bundle, checkpoint = build_tiny_translate_bundle(root / "translate-linformer")
+    return root, bundle, checkpoint
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+async def test_on_a_bundle_with_compressed_cross_attention_answers_equal_pytorch_decoding(tiny_translate, beam_size):
+    """The tiny bundle's Linformer cross-attention (k_cross rows, their own mask) under staggered arrivals."""
+    from test_service_translate import TEXTS, torch_translations
+
+    root, bundle, checkpoint = tiny_translate
+    settings = make_settings(root, classify_model="", translate_scheduling="step")
+    async with running_service(settings) as client:
+        answered = await staggered(client, [{"text": t, "beam_size": beam_size} for t in TEXTS * 2], gap_s=0.002)
+    expected = torch_translations(checkpoint, bundle, TEXTS * 2, beam_size)
+    assert [r.json()["translations"][0] for _, r in answered] == expected
