@@ -142,7 +142,7 @@ class TranslatorRuntime:
         return self.decoder.get_providers()[0]
 
     def live(self) -> "LiveDecode":
-        return LiveDecode(self)
+        return LiveDecode(self, trim_when_idle=True)
 
     def run(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, options,
@@ -289,8 +289,11 @@ class LiveDecode:
     chooses. Mechanics only: who joins and when is the caller's policy. Not thread-safe: one thread drives it.
     """
 
-    def __init__(self, runtime: TranslatorRuntime):
+    def __init__(self, runtime: TranslatorRuntime, *, trim_when_idle: bool = False):
+        """`trim_when_idle`: give freed heap pages back to the OS whenever the last source leaves (as `run` does
+        after each batch), so a burst does not leave a long-lived decode loop's process at its peak."""
         self.runtime = runtime
+        self.trim_when_idle = trim_when_idle
         self.cohorts: list[_Cohort] = []
 
     @staticmethod
@@ -342,6 +345,8 @@ class LiveDecode:
                 failed.update((search.key, error) for search in cohort.searches)
                 self.cohorts.remove(cohort)
         self._merge_equal_lengths()
+        if self.trim_when_idle and not self.cohorts:
+            _return_freed_memory()
         return finished, failed
 
     def _merge_equal_lengths(self) -> None:
@@ -392,3 +397,5 @@ class LiveDecode:
                 continue
             cohort.searches = going
             cohort.keep(rows, cohort.tokens[rows, 0].tolist())
+        if self.trim_when_idle and not self.cohorts:
+            _return_freed_memory()
