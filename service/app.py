@@ -25,8 +25,8 @@ from service.deps import ModelService, ServiceState
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
-from service.routes import router
-from service.runtime import ClassifierRuntime, TranslatorRuntime, choose_providers, make_session
+from service.routes import ClassifyEndpoint, router
+from service.runtime import ClassifierRuntime, TranslatorRuntime, choose_providers, make_session, probabilities
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -96,10 +96,10 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
 
             def run_batch(input_ids, attention_mask, options, stop_if_abandoned, runner=runner):
                 return runner.run(input_ids, attention_mask, options, stop_if_abandoned)
-        else:  # one ORT call: nothing to stop half-way
+        else:  # one ORT call: nothing to stop half-way; the routes answer probabilities
 
             def run_batch(input_ids, attention_mask, _options, _stop_if_abandoned, runner=runner):
-                return runner.run(input_ids, attention_mask)
+                return probabilities(runner.run(input_ids, attention_mask))
 
         batcher = Batcher(
             run_batch,
@@ -120,12 +120,15 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
 
 class ServiceApp(FastAPI):
     """FastAPI with our request middleware outside the framework's own layers (error, telemetry, body-limit
-    middleware), so that a request refused at admission costs a dict lookup, not a trip through all of them."""
+    middleware), so that a request refused at admission costs a dict lookup, not a trip through all of them,
+    and POST /classify goes straight to its plain ASGI endpoint."""
 
     request_context: RequestContextMiddleware | None = None  # built with the stack, on the first request
 
     def build_middleware_stack(self) -> ASGIApp:
-        self.request_context = RequestContextMiddleware(super().build_middleware_stack(), state=self.state.service)
+        state = self.state.service
+        self.request_context = RequestContextMiddleware(super().build_middleware_stack(), state=state,
+                                                        endpoints={"/classify": ClassifyEndpoint(state)})
         return self.request_context
 
     def openapi(self) -> dict[str, Any]:
