@@ -20,7 +20,7 @@ from starlette.types import ASGIApp
 
 from service.batcher import Batcher
 from service.bundle import Bundle, BundleError, load_bundle
-from service.config import Settings
+from service.config import UNCALIBRATED_MAX_BATCH_TOKENS, Settings
 from service.deps import ModelService, ServiceState
 from service.errors import install_error_handlers
 from service.metrics import Metrics
@@ -83,9 +83,10 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
         bundle = load_bundle(path)
         if bundle.task != task:
             raise BundleError(f"bundle {path} is a {bundle.task!r} bundle, configured as the {task} model")
-        if bundle.n_max > settings.max_batch_tokens:
-            log.warning("n_max=%d exceeds MAX_BATCH_TOKENS=%d: long texts run alone in oversized batches",
-                        bundle.n_max, settings.max_batch_tokens)
+        max_batch_tokens = settings.max_batch_tokens or bundle.max_batch_tokens or UNCALIBRATED_MAX_BATCH_TOKENS
+        log.info("%s: batches of at most %d padded tokens (%s)", bundle.name, max_batch_tokens,
+                 "LINFORMER_MAX_BATCH_TOKENS" if settings.max_batch_tokens else
+                 "measured for this bundle, manifest.json" if bundle.max_batch_tokens else "default")  # fmt: skip
         try:  # files that match their manifest can still be unusable (exported by a newer ORT, say)
             tokenizer = Tokenizer.from_bundle(bundle)
             runtime = make_runtime(bundle, providers, settings)
@@ -106,7 +107,7 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
             name=bundle.name,
             pad_id=bundle.pad_id,
             max_batch_size=settings.max_batch_size,
-            max_batch_tokens=settings.max_batch_tokens,
+            max_batch_tokens=max_batch_tokens,
             max_wait_s=settings.max_wait_ms / 1000,
             max_queue=settings.max_queued_decode_tokens if task == "translate" else settings.max_queue,
             metrics=metrics,
