@@ -188,6 +188,8 @@ class ClassifyEndpoint:
     def _validate(body: bytes) -> ClassifyRequest:
         # json.loads, then the model: pydantic's own JSON parser refuses NaN and lone surrogates outright, where
         # this way each problem is listed where it is, exactly as FastAPI's routes answer
+        if not body:
+            raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
         try:
             data = json.loads(body)
         except json.JSONDecodeError as e:
