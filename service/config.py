@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     # accepted (up to request_timeout_s more) and exits 0.
     drain_s: float = Field(5.0, ge=0)
 
+    # gc.freeze() once the models are loaded (see service/app.py); off only to measure what it changes
+    gc_freeze: bool = True
+
     # ONNX Runtime
     ort_intra_op_threads: int = Field(0, ge=0)  # 0 = ORT default (one per physical core)
     ort_inter_op_threads: int = Field(0, ge=0)
