@@ -140,13 +140,14 @@ class Server:
     ready_path: str
     batch_metrics: tuple[str, str] | None = None  # (texts, batches) counters in its Prometheus /metrics
     metrics_port: int | None = None  # None: the HTTP port
+    cwd: Path = REPO
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
 
     def start(self, log: Path) -> None:
         self._log = open(log, "w")  # noqa: SIM115  (closed in stop)
         command = [part.format(port=self.port) for part in self.command]
-        self.proc = subprocess.Popen(["taskset", "-c", SERVER_CORE, *command], cwd=REPO,
+        self.proc = subprocess.Popen(["taskset", "-c", SERVER_CORE, *command], cwd=self.cwd,
                                      env={**os.environ, **self.env}, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
         deadline = time.monotonic() + 120
@@ -200,17 +201,23 @@ class Server:
         self._log.close()
 
 
-def make_servers(bundle: Bundle, text: str, peers: list[str], peers_python: str) -> list[Server]:
-    one_thread = {"LINFORMER_ORT_INTRA_OP_THREADS": "1", "LINFORMER_ORT_INTER_OP_THREADS": "1"}
-    servers = [Server(
-        "this service", [sys.executable, "-m", "service", "--port", "{port}"],
-        {"LINFORMER_MODELS_DIR": str(bundle.path.parent), "LINFORMER_CLASSIFY_MODEL": bundle.path.name,
-         "LINFORMER_TRANSLATE_MODEL": "", "LINFORMER_LOG_LEVEL": "warning", **one_thread,
-         # the peers queue every request (Mosec's capacity is 1,024): admit all 64 connections here too
-         "LINFORMER_MAX_CONCURRENT_REQUESTS": "256"},
-        "/classify", json.dumps({"text": text}).encode(), "/readyz",
-        ("linformer_batch_size_sum", "linformer_batch_size_count"),
-    )]  # fmt: skip
+def make_servers(bundle: Bundle, text: str, peers: list[str], peers_python: str,
+                 baseline: tuple[str, Path] | None) -> list[Server]:  # fmt: skip
+    service_env = {
+        "LINFORMER_MODELS_DIR": str(bundle.path.resolve().parent), "LINFORMER_CLASSIFY_MODEL": bundle.path.name,
+        "LINFORMER_TRANSLATE_MODEL": "", "LINFORMER_LOG_LEVEL": "warning",
+        "LINFORMER_ORT_INTRA_OP_THREADS": "1", "LINFORMER_ORT_INTER_OP_THREADS": "1",
+        # the peers queue every request (Mosec's capacity is 1,024): admit all 64 connections here too
+        "LINFORMER_MAX_CONCURRENT_REQUESTS": "256",
+    }  # fmt: skip
+    servers = [Server("this service", [sys.executable, "-m", "service", "--port", "{port}"], service_env, "/classify",
+                      json.dumps({"text": text}).encode(), "/readyz",
+                      ("linformer_batch_size_sum", "linformer_batch_size_count"))]  # fmt: skip
+    if baseline is not None:  # the service as it was at an earlier commit, same settings
+        ref, checkout = baseline
+        ours = servers[0]
+        servers.append(Server(f"service at {ref}", list(ours.command), service_env, ours.path, ours.body,
+                              ours.ready_path, ours.batch_metrics, cwd=checkout))  # fmt: skip
     peer_env = {"LINFORMER_BUNDLE": str(bundle.path), "OMP_NUM_THREADS": "1"}
     if "mosec" in peers:
         servers.append(Server(
@@ -263,15 +270,15 @@ def wrk(server: Server, connections: int, seconds: float) -> dict:
     try:
         out = subprocess.run(
             ["taskset", "-c", LOAD_CORE, "wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency",
-             "-s", script.name, f"http://127.0.0.1:{server.port}{server.path}"],
+             "--timeout", "30s", "-s", script.name, f"http://127.0.0.1:{server.port}{server.path}"],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
     finally:
         os.unlink(script.name)
 
     def quantile(q: int) -> float:
-        found = re.search(rf"^\s+{q}%\s+([\d.]+)(us|ms|s)$", out, re.M)
-        return float(found.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[found.group(2)]
+        found = re.search(rf"^\s+{q}%\s+([\d.]+)(us|ms|s|m)$", out, re.M)
+        return float(found.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[found.group(2)]
 
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     non_2xx = int(errors.group(1)) if errors else 0
@@ -480,6 +487,8 @@ def main() -> None:
     parser.add_argument("--peers-python", default=str(REPO / ".venv-peers" / "bin" / "python"),
                         help="a venv with `pip install -e '.[peers]'` (Mosec, PyTriton)")
     parser.add_argument("--flame", action="store_true", help="also record a py-spy flame graph of the service")
+    parser.add_argument("--baseline", metavar="GIT_REF",
+                        help="also serve with service/ as it was at this commit (git archive), for a before/after")
     args = parser.parse_args()
 
     if shutil.which("wrk") is None:
@@ -496,13 +505,21 @@ def main() -> None:
     tokenizer = Tokenizer.from_bundle(bundle)
     pin_to({int(LOAD_CORE)})
     logs = Path(tempfile.mkdtemp(prefix="service-bench-"))
+    baseline = None
+    if args.baseline:
+        checkout = logs / "baseline"
+        checkout.mkdir()
+        archive = subprocess.run(["git", "archive", args.baseline, "service"], cwd=REPO, capture_output=True,
+                                 check=True).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
+        baseline = (args.baseline, checkout)
     results: dict[int, dict] = {}
     for tokens in args.tokens:
         text, ids = text_of_length(tokenizer, min(tokens, bundle.n_max))
         model = model_alone(bundle, ids, seconds=min(2.0, args.seconds))
         print(f"{len(ids)} tokens, model alone: " + ", ".join(f"b{b} {r:.0f}/s" for b, r in model["rates"].items())
               + f"; batch-1 p50 {model['batch1_p50_ms']:.3f} ms", flush=True)  # fmt: skip
-        servers = make_servers(bundle, text, peers, args.peers_python)
+        servers = make_servers(bundle, text, peers, args.peers_python, baseline)
         rows = []
         try:
             for server in servers:
