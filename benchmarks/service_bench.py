@@ -28,6 +28,7 @@ import csv
 import datetime as dt
 import http.client
 import json
+import math
 import os
 import platform
 import re
@@ -221,7 +222,7 @@ def make_servers(bundle: Bundle, text: str, peers: list[str], peers_python: str,
     peer_env = {"LINFORMER_BUNDLE": str(bundle.path), "OMP_NUM_THREADS": "1"}
     if "mosec" in peers:
         servers.append(Server(
-            "Mosec", [peers_python, "benchmarks/peers/mosec_classify.py", "--port", "{port}", "--log-level", "error"],
+            "Mosec", [peers_python, "benchmarks/peers/mosec_classify.py", "--port", "{port}"],
             peer_env, "/inference", json.dumps({"text": text}).encode(), "/",
             ("mosec_service_batch_size_sum", "mosec_service_batch_size_count"),
         ))  # fmt: skip
@@ -276,8 +277,10 @@ def wrk(server: Server, connections: int, seconds: float) -> dict:
     finally:
         os.unlink(script.name)
 
-    def quantile(q: int) -> float:
+    def quantile(q: int) -> float:  # NaN when nothing was answered
         found = re.search(rf"^\s+{q}%\s+([\d.]+)(us|ms|s|m)$", out, re.M)
+        if found is None:
+            return math.nan
         return float(found.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[found.group(2)]
 
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
@@ -395,14 +398,15 @@ def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict,
             f"**{model['batch1_p50_ms']:.3f} ms**.",
             "",
             "| server | connections | req/s | / model alone | p50 (ms) | p99 (ms) | CPU/request (ms) | "
-            "CPU outside session.run (ms) | mean batch | non-2xx |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "CPU outside session.run (ms) | mean batch | non-2xx | socket errors |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in per_length["rows"]:
             lines.append(
                 f"| {row['server']} | {row['connections']} | {row['rps']:.0f} | {row['ratio_to_model']:.2f} | "
                 f"{row['p50_ms']:.2f} | {row['p99_ms']:.1f} | {row['cpu_ms_per_request']:.3f} | "
-                f"{row['cpu_ms_outside_run']:.3f} | {row['mean_batch']:.1f} | {row['non_2xx']} |"
+                f"{row['cpu_ms_outside_run']:.3f} | {row['mean_batch']:.1f} | {row['non_2xx']} | "
+                f"{row['socket_errors'] or '-'} |"
             )
         lines.append("")
     lines += ["## Goals (issue #20)", "", *goals(results), "", f"![results]({stem}.png)", ""]
@@ -532,7 +536,8 @@ def main() -> None:
                     print(f"{len(ids)} tokens, {server.name:>18}, c={connections:<3} {row['rps']:7.0f} req/s "
                           f"({row['ratio_to_model']:.2f} of model) p50 {row['p50_ms']:7.2f} p99 {row['p99_ms']:7.1f} "
                           f"ms, CPU/req {row['cpu_ms_per_request']:.3f} (outside run {row['cpu_ms_outside_run']:.3f})"
-                          f" ms, batch {row['mean_batch']:.1f}, non-2xx {row['non_2xx']}", flush=True)  # fmt: skip
+                          f" ms, batch {row['mean_batch']:.1f}, non-2xx {row['non_2xx']}, socket errors "
+                          f"{row['socket_errors'] or 'none'}", flush=True)  # fmt: skip
             if args.flame and tokens == 64:
                 record_flame(servers[0], args.out / f"service_flame_{bundle.name}", args.seconds)
         finally:
