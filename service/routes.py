@@ -82,7 +82,8 @@ async def _infer(
     except asyncio.CancelledError:
         if not watcher.done() or watcher.cancelled():
             raise  # cancelled from outside (shutdown): not ours to answer
-        request_task.uncancel()
+        if hasattr(request_task, "uncancel"):  # Python 3.11+: the cancellation is answered here, not propagated
+            request_task.uncancel()
         raise ServiceError(CLIENT_CLOSED_REQUEST, "client_closed_request", "client closed the request") from None
     except QueueFull as e:
         state.metrics.rejected.labels(route, "queue_full").inc()
