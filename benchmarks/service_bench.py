@@ -1,25 +1,34 @@
-"""Benchmark the serving stack on a classify bundle; writes CSV + Markdown + PNG (not a test).
+"""The serving stack against its own model and against the peers, in one run per text length (issue #20).
 
-(a) service overhead: p50 HTTP latency at one user minus p50 raw `session.run`, 128-token text
-    (target <= 1.5 ms);
-(b) batching gain: saturated throughput with dynamic batching vs MAX_BATCH_SIZE=1, 64-token texts
-    (target >= 2x).
+For each text length (16, 64, 512 tokens by default), side by side on one machine:
+- the model alone: `session.run` back to back at batch sizes 1-32 (texts/s, CPU per text), and its batch-1
+  latency, on core 0 with one ORT thread;
+- this service (`python -m service`, its defaults: the bundle's measured token budget, max batch 32, no batch
+  wait) at 1, 16 and 64 keep-alive connections: req/s, p50, p99, server CPU per request and the part of it
+  outside `session.run` (server CPU minus the model's CPU per text at the mean batch size the server formed);
+- the same bundle, tokenizer and session settings behind Mosec and Triton's dynamic batcher (PyTriton),
+  each configured per its docs for the lowest latency (max batch 32, smallest wait), from the `[peers]`
+  extra installed in its own venv (`--peers-python`; they pin numpy < 2).
 
-    python benchmarks/service_bench.py [--bundle models/classify-linformer] [--out benchmarks/results]
+Every server runs pinned to core 0 with one ORT thread; the load generator (wrk, one thread, keep-alive, one
+text per request; `apt install wrk`) runs on core 1. At each concurrency the servers take turns (service,
+Mosec, Triton), each warmed up at that concurrency first, so the comparison is interleaved in time.
 
-The server runs as `python -m service` in its own process. The load generator for (b) is wrk (C, one
-thread, keep-alive; `apt install wrk`), or without it a small raw asyncio HTTP/1.1 client. Each batching
-setting runs at every concurrency and every ORT intra-op thread count given, and the gain compares the
-best throughput of each, so batch size 1 gets its best configuration too. On a small machine client and
-server share the cores: the report says how many.
+    python benchmarks/service_bench.py --bundle models/classify-linformer [--tokens 16 64 512] [--seconds 8]
+    make bench-service
+
+Writes benchmarks/results/service_bench_<bundle>[-<tokens>].{csv,md,png}. `--flame` also records a py-spy
+flame graph of the service at 64 connections (64 tokens) into service_flame_<bundle>.{svg,png}.
 """
 
+from __future__ import annotations
+
 import argparse
-import asyncio
 import csv
 import datetime as dt
 import http.client
 import json
+import math
 import os
 import platform
 import re
@@ -29,21 +38,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.loadgen import free_port, wait_until_ready  # noqa: E402
+from benchmarks.loadgen import free_port, pin_to  # noqa: E402
 from service.bundle import Bundle, load_bundle  # noqa: E402
-from service.runtime import choose_providers, make_session  # noqa: E402
+from service.runtime import CPU, make_session  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 
 FILLER = ("the film was a moving story with great music and a brilliant ending but the plot "
           "felt long and the actors were not always convincing").split()
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+SERVER_CORE, LOAD_CORE = "0", "1"
 
 
 # ---- inputs ----
@@ -65,152 +78,246 @@ def text_of_length(tokenizer: Tokenizer, n_tokens: int) -> tuple[str, list[int]]
     return text, tokenizer.encode_all([text], truncate=True)[0].ids
 
 
-# ---- measurements ----
+# ---- the model alone ----
 
 
-def raw_session_p50_ms(bundle: Bundle, ids: list[int], runs: int) -> float:
-    session = make_session(bundle.onnx_path("model"), choose_providers("auto"))
-    feeds = {"input_ids": np.array([ids], dtype=np.int64), "attention_mask": np.ones((1, len(ids)), np.int64)}
-    for _ in range(20):
-        session.run(None, feeds)
+def model_alone(bundle: Bundle, ids: list[int], seconds: float) -> dict:
+    """On the servers' core, one ORT thread, the service's session settings: texts/s and CPU ms per text at
+    each batch size, and the batch-1 p50 latency."""
+    pin_to({int(SERVER_CORE)})
+    session = make_session(bundle.onnx_path("model"), [CPU], intra_op_threads=1, inter_op_threads=1,
+                           cpu_mem_arena=False)  # fmt: skip
+    rates, cpu_ms = {}, {}
+    for batch in BATCH_SIZES:
+        array = np.array([ids] * batch, dtype=np.int64)
+        feeds = {"input_ids": array, "attention_mask": np.ones_like(array)}
+        for _ in range(3):
+            session.run(None, feeds)
+        runs, started, cpu_started = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - started < seconds:
+            session.run(None, feeds)
+            runs += 1
+        rates[batch] = runs * batch / (time.perf_counter() - started)
+        cpu_ms[batch] = (time.process_time() - cpu_started) / (runs * batch) * 1000
+    array = np.array([ids], dtype=np.int64)
+    feeds = {"input_ids": array, "attention_mask": np.ones_like(array)}
     times = []
-    for _ in range(runs):
+    for _ in range(max(50, int(seconds * rates[1]))):
         started = time.perf_counter()
         session.run(None, feeds)
         times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
+    pin_to({int(LOAD_CORE)})
+    best = max(rates, key=rates.get)
+    return {"rates": rates, "cpu_ms": cpu_ms, "best_batch": best, "best_rate": rates[best],
+            "batch1_p50_ms": statistics.median(times) * 1000}  # fmt: skip
 
 
-def raw_texts_per_s(bundle: Bundle, ids: list[int], batch: int, threads: int, seconds: float = 3.0) -> float:
-    """The model alone, no HTTP: texts/s of back-to-back session.run calls at one batch size."""
-    session = make_session(bundle.onnx_path("model"), choose_providers("auto"), intra_op_threads=threads)
-    ids_array = np.array([ids] * batch, dtype=np.int64)
-    feeds = {"input_ids": ids_array, "attention_mask": np.ones_like(ids_array)}
-    for _ in range(5):
-        session.run(None, feeds)
-    runs, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        session.run(None, feeds)
-        runs += 1
-    return runs * batch / (time.perf_counter() - started)
+def best_of(first: dict, second: dict) -> dict:
+    rates = {b: max(first["rates"][b], second["rates"][b]) for b in first["rates"]}
+    cpu_ms = {b: min(first["cpu_ms"][b], second["cpu_ms"][b]) for b in first["cpu_ms"]}
+    best = max(rates, key=rates.get)
+    return {"rates": rates, "cpu_ms": cpu_ms, "best_batch": best, "best_rate": rates[best],
+            "batch1_p50_ms": min(first["batch1_p50_ms"], second["batch1_p50_ms"])}  # fmt: skip
 
 
+def model_cpu_ms_at(model: dict, mean_batch: float) -> float:
+    """The model's CPU per text at a mean batch size, interpolated between the measured sizes."""
+    sizes = sorted(model["cpu_ms"])
+    return float(np.interp(mean_batch, sizes, [model["cpu_ms"][b] for b in sizes]))
+
+
+# ---- servers ----
+
+
+@dataclass
 class Server:
-    def __init__(self, bundle: Bundle, **env: str):
-        self.port = free_port()
-        environment = {
-            **os.environ,
-            "LINFORMER_MODELS_DIR": str(bundle.path.parent),
-            "LINFORMER_CLASSIFY_MODEL": bundle.path.name,
-            "LINFORMER_LOG_LEVEL": "warning",
-            **env,
-        }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "--port", str(self.port)], cwd=REPO, env=environment,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-        try:
-            wait_until_ready(self.proc, self.port)
-        except RuntimeError as e:
-            raise RuntimeError(f"{e}: {self.proc.stderr.read() if self.proc.poll() is not None else ''}") from None
+    """One server process tree on core 0 and what the load generator sends it."""
 
-    def metrics(self) -> str:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port)
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    path: str  # the route the load goes to
+    body: bytes
+    ready_path: str
+    batch_metrics: tuple[str, str] | None = None  # (texts, batches) counters in its Prometheus /metrics
+    metrics_port: int | None = None  # None: the HTTP port
+    cwd: Path = REPO
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    def start(self, log: Path) -> None:
+        self._log = open(log, "w")  # noqa: SIM115  (closed in stop)
+        command = [part.format(port=self.port) for part in self.command]
+        self.proc = subprocess.Popen(["taskset", "-c", SERVER_CORE, *command], cwd=self.cwd,
+                                     env={**os.environ, **self.env}, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {log}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1)
+                conn.request("GET", self.ready_path)
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.name} did not become ready; see {log}")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the whole process tree (Mosec and Triton run several processes)."""
+        root = psutil.Process(self.proc.pid)
+        total = 0.0
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+                total += times.user + times.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def batches(self) -> tuple[float, float]:
+        """(texts, batches) computed so far, from the server's own metrics."""
+        if self.batch_metrics is None:
+            return 0.0, 0.0
+        sum_name, count_name = self.batch_metrics
+        conn = http.client.HTTPConnection("127.0.0.1", self.metrics_port or self.port)
         conn.request("GET", "/metrics")
-        return conn.getresponse().read().decode()
+        text = conn.getresponse().read().decode()
+
+        def total(name: str) -> float:
+            return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+        return total(sum_name), total(count_name)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        self._log.close()
 
 
-def http_one_user_p50_ms(port: int, body: bytes, runs: int) -> float:
-    conn = http.client.HTTPConnection("127.0.0.1", port)
-    headers = {"content-type": "application/json"}
-    times = []
-    for i in range(runs + 20):
-        started = time.perf_counter()
-        conn.request("POST", "/classify", body=body, headers=headers)
-        response = conn.getresponse()
-        response.read()
-        assert response.status == 200, response.status
-        if i >= 20:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
+def make_servers(bundle: Bundle, text: str, peers: list[str], peers_python: str,
+                 baseline: tuple[str, Path] | None) -> list[Server]:  # fmt: skip
+    service_env = {
+        "LINFORMER_MODELS_DIR": str(bundle.path.resolve().parent), "LINFORMER_CLASSIFY_MODEL": bundle.path.name,
+        "LINFORMER_TRANSLATE_MODEL": "", "LINFORMER_LOG_LEVEL": "warning",
+        "LINFORMER_ORT_INTRA_OP_THREADS": "1", "LINFORMER_ORT_INTER_OP_THREADS": "1",
+        # the peers queue every request (Mosec's capacity is 1,024): admit all 64 connections here too
+        "LINFORMER_MAX_CONCURRENT_REQUESTS": "256",
+    }  # fmt: skip
+    servers = [Server("this service", [sys.executable, "-m", "service", "--port", "{port}"], service_env, "/classify",
+                      json.dumps({"text": text}).encode(), "/readyz",
+                      ("linformer_batch_size_sum", "linformer_batch_size_count"))]  # fmt: skip
+    if baseline is not None:  # the service as it was at an earlier commit, same settings
+        ref, checkout = baseline
+        ours = servers[0]
+        servers.append(Server(f"service at {ref}", list(ours.command), service_env, ours.path, ours.body,
+                              ours.ready_path, ours.batch_metrics, cwd=checkout))  # fmt: skip
+    peer_env = {"LINFORMER_BUNDLE": str(bundle.path), "OMP_NUM_THREADS": "1"}
+    if "mosec" in peers:
+        servers.append(Server(
+            "Mosec", [peers_python, "benchmarks/peers/mosec_classify.py", "--port", "{port}"],
+            peer_env, "/inference", json.dumps({"text": text}).encode(), "/",
+            ("mosec_service_batch_size_sum", "mosec_service_batch_size_count"),
+        ))  # fmt: skip
+    if "triton" in peers:
+        # the Python backend's stub must load the libpython of the interpreter that runs PyTriton
+        libdir = subprocess.run([peers_python, "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"],
+                                capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        body = {"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": [text]}]}
+        server = Server(
+            "Triton (PyTriton)", [peers_python, "benchmarks/peers/triton_classify.py", "--port", "{port}"],
+            {**peer_env, "LD_LIBRARY_PATH": libdir}, "/v2/models/classify/infer", json.dumps(body).encode(),
+            "/v2/models/classify/ready",
+        )  # fmt: skip
+        server.port = free_port_block(3)  # HTTP, gRPC, metrics
+        server.metrics_port = server.port + 2
+        server.batch_metrics = ("nv_inference_request_success", "nv_inference_exec_count")
+        servers.append(server)
+    return servers
 
 
-async def _client(port: int, request: bytes, stop_at: float, latencies: list[float], errors: list[int]):
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    while time.perf_counter() < stop_at:
-        started = time.perf_counter()
-        writer.write(request)
-        status = int((await reader.readline()).split()[1])
-        length = 0
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        await reader.readexactly(length)
-        if status == 200:
-            latencies.append(time.perf_counter() - started)
-        else:
-            errors.append(status)
-    writer.close()
+def free_port_block(n: int) -> int:
+    while True:
+        port = free_port()
+        if port + n < 65536 and all(_is_free(port + i) for i in range(1, n)):
+            return port
 
 
-def saturated_throughput(port: int, body: bytes, concurrency: int, seconds: float, client: str) -> dict:
-    if client == "wrk":
-        return wrk_throughput(port, body, concurrency, seconds)
-    request = (
-        b"POST /classify HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(body)
-    ) + body
-    latencies: list[float] = []
-    errors: list[int] = []
+def _is_free(port: int) -> bool:
+    import socket
 
-    async def run():
-        stop_at = time.perf_counter() + seconds
-        clients = [_client(port, request, stop_at, latencies, errors) for _ in range(concurrency)]
-        await asyncio.gather(*clients)
-
-    started = time.perf_counter()
-    asyncio.run(run())
-    elapsed = time.perf_counter() - started
-    return {
-        "throughput_rps": len(latencies) / elapsed,
-        "p50_ms": statistics.median(latencies) * 1000 if latencies else float("nan"),
-        "errors": len(errors),
-    }
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
-def wrk_throughput(port: int, body: bytes, concurrency: int, seconds: float) -> dict:
-    """wrk (C, one thread, keep-alive connections): the load generator takes little of the shared cores."""
+# ---- load ----
+
+
+def wrk(server: Server, connections: int, seconds: float) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                     f"wrk.body = {json.dumps(body.decode())}\n")
+                     f"wrk.body = {json.dumps(server.body.decode())}\n")
     try:
         out = subprocess.run(
-            ["wrk", "-t1", f"-c{concurrency}", f"-d{seconds:g}s", "--latency", "-s", script.name,
-             f"http://127.0.0.1:{port}/classify"],
+            ["taskset", "-c", LOAD_CORE, "wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency",
+             "--timeout", "30s", "-s", script.name, f"http://127.0.0.1:{server.port}{server.path}"],
             capture_output=True, text=True, check=True,
-        ).stdout
+        ).stdout  # fmt: skip
     finally:
         os.unlink(script.name)
-    p50 = re.search(r"^\s+50%\s+([\d.]+)(us|ms|s)$", out, re.M)
-    return {
-        "throughput_rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),
-        "p50_ms": float(p50.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[p50.group(2)],
-        "errors": int(m.group(1)) if (m := re.search(r"Non-2xx or 3xx responses: (\d+)", out)) else 0,
-    }
+
+    def quantile(q: int) -> float:  # NaN when nothing was answered
+        found = re.search(rf"^\s+{q}%\s+([\d.]+)(us|ms|s|m)$", out, re.M)
+        if found is None:
+            return math.nan
+        return float(found.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[found.group(2)]
+
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    non_2xx = int(errors.group(1)) if errors else 0
+    socket_errors = re.search(r"Socket errors: (.*)$", out, re.M)
+    requests = int(re.search(r"(\d+) requests in", out).group(1))
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    return {"requests": requests, "rps": rps * (requests - non_2xx) / max(requests, 1),  # answered ones only
+            "p50_ms": quantile(50), "p99_ms": quantile(99), "non_2xx": non_2xx,
+            "socket_errors": socket_errors.group(1).strip() if socket_errors else ""}  # fmt: skip
 
 
-def mean_batch_size(metrics_text: str) -> float:
-    values = {}
-    for line in metrics_text.splitlines():
-        for name in ("linformer_batch_size_sum", "linformer_batch_size_count"):
-            if line.startswith(name + "{"):
-                values[name] = values.get(name, 0.0) + float(line.split()[-1])
-    return values.get("linformer_batch_size_sum", 0) / max(values.get("linformer_batch_size_count", 0), 1)
+def measure(server: Server, connections: int, seconds: float, model: dict) -> dict:
+    wrk(server, connections, min(3.0, seconds))  # warm up at the measured concurrency
+    texts0, batches0 = server.batches()
+    cpu0 = server.cpu_seconds()
+    result = wrk(server, connections, seconds)
+    cpu1 = server.cpu_seconds()
+    texts1, batches1 = server.batches()
+    mean_batch = (texts1 - texts0) / (batches1 - batches0) if batches1 > batches0 else float("nan")
+    cpu_ms = (cpu1 - cpu0) / max(result["requests"], 1) * 1000
+    outside = cpu_ms - model_cpu_ms_at(model, mean_batch) if mean_batch == mean_batch else float("nan")
+    return {**result, "mean_batch": mean_batch, "cpu_ms_per_request": cpu_ms, "cpu_ms_outside_run": outside,
+            "ratio_to_model": result["rps"] / model["best_rate"]}  # fmt: skip
+
+
+def record_flame(server: Server, out: Path, seconds: float) -> None:
+    """py-spy on the service at 64 connections (not during a measured run: sampling costs the server CPU)."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    svg = out.with_suffix(".svg")
+    recorder = subprocess.Popen([py_spy, "record", "-p", str(server.proc.pid), "-o", str(svg), "-d", f"{seconds:g}",
+                                 "-r", "250", "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wrk(server, 64, seconds)
+    recorder.wait()
+    if shutil.which("rsvg-convert") and svg.exists():  # apt install librsvg2-bin
+        subprocess.run(["rsvg-convert", "-w", "1600", "-b", "white", "-o", str(out.with_suffix(".png")), str(svg)],
+                       check=True)  # fmt: skip
 
 
 # ---- report ----
@@ -219,199 +326,236 @@ def mean_batch_size(metrics_text: str) -> float:
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    nproc = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
     versions = {name: metadata.version(name) for name in
-                ("onnxruntime", "numpy", "fastapi", "uvicorn", "pydantic", "sentencepiece")}
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    return {"nproc": nproc, "cpu": cpu, "load_before": os.getloadavg()[0],
-            "python": platform.python_version(), "platform": platform.platform(), "git_commit": commit,
-            **versions}
+                ("onnxruntime", "numpy", "fastapi", "starlette", "uvicorn", "uvloop", "httptools", "pydantic",
+                 "sentencepiece")}  # fmt: skip
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip
+    wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split("[")[0].strip()
+    return {"nproc": os.cpu_count(), "cpu": cpu, "load_before": os.getloadavg(), "python": platform.python_version(),
+            "platform": platform.platform(), "git_commit": commit, "wrk": wrk_version, **versions}  # fmt: skip
 
 
-def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict, rows: list[dict],
-                 summary: dict) -> None:
+def peer_versions(peers_python: str) -> dict:
+    code = ("import json; from importlib.metadata import version as v; "
+            "print(json.dumps({n: v(n) for n in ('mosec', 'nvidia-pytriton', 'onnxruntime', 'numpy')}))")
+    found = subprocess.run([peers_python, "-c", code], capture_output=True, text=True)
+    return json.loads(found.stdout) if found.returncode == 0 else {}
+
+
+def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict, results: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    fields = ["tokens", "server", "connections", "rps", "p50_ms", "p99_ms", "cpu_ms_per_request",
+              "cpu_ms_outside_run", "mean_batch", "ratio_to_model", "requests", "non_2xx", "socket_errors"]
     with (out / f"{stem}.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["measurement", "setting", "concurrency", "value", "unit"])
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        for tokens, per_length in results.items():
+            model = per_length["model"]
+            for batch in BATCH_SIZES:
+                writer.writerow({"tokens": tokens, "server": f"model alone, batch {batch}", "connections": "",
+                                 "rps": round(model["rates"][batch], 1), "cpu_ms_per_request":
+                                 round(model["cpu_ms"][batch], 4), "mean_batch": batch,
+                                 "p50_ms": round(model["batch1_p50_ms"], 4) if batch == 1 else ""})  # fmt: skip
+            for row in per_length["rows"]:
+                writer.writerow({"tokens": tokens, **{k: round(v, 4) if isinstance(v, float) else v
+                                                      for k, v in row.items()}})  # fmt: skip
 
-    throughput = [r for r in rows if r["measurement"] == "throughput"]
+    peers = info.get("peers", {})
     lines = [
-        f"# Service benchmark: {bundle.name}",
+        f"# The serving stack against its model and its peers: {bundle.name}",
         "",
         f"- date: {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}",
         f"- command: `{command}`",
-        f"- bundle: `{bundle.path}` (name={bundle.name}, attention={bundle.attention}, n_max={bundle.n_max}, "
-        f"k={bundle.k}, model.onnx sha256={info['model_sha256'][:16]}...)",
-        f"- machine: nproc={info['nproc']}, CPU: {info['cpu']}, {info['platform']}",
-        f"- versions: python {info['python']}, "
-        + ", ".join(f"{k} {info[k]}" for k in ("onnxruntime", "numpy", "fastapi", "uvicorn", "pydantic")),
-        f"- git commit: {info['git_commit']}; load generator for (b): {summary['client']}; it shares the "
-        "machine's cores with the server; "
-        f"1-min load average before the run: {info['load_before']:.2f}",
-        "",
-        "## (a) Service overhead at one user",
-        "",
-        "| text tokens | p50 raw session.run (ms) | p50 HTTP /classify (ms) | overhead (ms) | target |",
-        "|---|---|---|---|---|",
-        f"| {summary['overhead_tokens']} | {summary['raw_p50_ms']:.3f} | {summary['http_p50_ms']:.3f} | "
-        f"{summary['overhead_ms']:.3f} | <= 1.5 ms: {'met' if summary['overhead_ms'] <= 1.5 else 'NOT met'} "
-        "|",
-        "",
-        f"## (b) Batching gain, {summary['throughput_tokens']}-token texts",
-        "",
-        "| batching | concurrency | throughput (req/s) | p50 latency (ms) | mean batch size | errors |",
-        "|---|---|---|---|---|---|",
-    ]
-    by_key = {(r["setting"], r["concurrency"], r["measurement"]): r["value"] for r in rows}
-    for r in throughput:
-        key = (r["setting"], r["concurrency"])
-        lines.append(
-            f"| {r['setting']} | {r['concurrency']} | {r['value']:.1f} | "
-            f"{by_key[(*key, 'latency_p50')]:.2f} | "
-            f"{by_key[(*key, 'mean_batch_size')]:.2f} | {int(by_key[(*key, 'errors')])} |"
-        )
-    lines += [
-        "",
-        "Saturated throughput (best over concurrency and ORT threads): "
-        f"dynamic {summary['dynamic_best_rps']:.1f} req/s vs batch size 1 {summary['single_best_rps']:.1f} req/s "
-        f"= **{summary['gain']:.2f}x** "
-        f"(target >= 2x: {'met' if summary['gain'] >= 2 else 'NOT met'}).",
-        "",
-        "### What batching can gain here: the model alone (session.run back to back, no HTTP)",
-        "",
-        "| ORT intra-op threads | batch 1 (texts/s) | batch "
-        f"{summary['max_batch_size']} (texts/s) | ratio |",
-        "|---|---|---|---|",
-        *(f"| {t or 'default'} | {one:.0f} | {many:.0f} | {many / one:.2f} |"
-          for t, (one, many) in summary["raw"].items()),
-        "",
-        f"Ceiling for the service's gain on this machine (best batched over best batch 1): "
-        f"**{summary['raw_ceiling']:.2f}x**; the service's {summary['gain']:.2f}x is "
-        f"{summary['gain'] / summary['raw_ceiling']:.0%} of it.",
-        "",
-        f"![results]({stem}.png)",
+        f"- bundle: `{bundle.path}` ({bundle.attention}, n_max={bundle.n_max}, k={bundle.k}; the service's token "
+        f"budget from its manifest: {bundle.max_batch_tokens or 'none (16384)'})",
+        f"- machine: {info['nproc']} cores, {info['cpu']}, {info['platform']}; 1/5/15-min load average before "
+        f"the run: {'/'.join(f'{x:.2f}' for x in info['load_before'])}, after: "
+        f"{'/'.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"- versions: python {info['python']}, " + ", ".join(
+            f"{k} {info[k]}" for k in ("onnxruntime", "numpy", "fastapi", "starlette", "uvicorn", "uvloop",
+                                       "httptools", "pydantic", "sentencepiece")) + f"; {info['wrk']}; peers' venv: "
+        + (", ".join(f"{k} {v}" for k, v in peers.items()) or "not installed"),
+        f"- git commit: {info['git_commit']}",
+        "- set-up: every server on core 0 with one ORT intra- and inter-op thread, the same tokenizer, session "
+        "settings and softmax; wrk (1 thread, keep-alive, one text per request) on core 1; at each concurrency the "
+        "servers take turns, each warmed up at that concurrency first. Service: its defaults (max batch 32, no "
+        "batch wait, the bundle's measured token budget), log level warning. Mosec: one worker, max_batch_size 32, "
+        "max_wait_time 1 ms (its smallest). Triton: PyTriton, max_batch_size 32, max_queue_delay_microseconds 0.",
+        "- CPU outside session.run: the server's CPU (whole process tree) per request minus the model's CPU per "
+        "text at the mean batch size that server formed (from its own metrics), as measured alone in this run.",
         "",
     ]
+    for tokens, per_length in results.items():
+        model = per_length["model"]
+        lines += [
+            f"## {tokens}-token texts",
+            "",
+            "Model alone (session.run back to back): "
+            + ", ".join(f"batch {b}: {model['rates'][b]:.0f} texts/s ({model['cpu_ms'][b]:.3f} ms CPU/text)"
+                        for b in BATCH_SIZES)
+            + f". Best: batch {model['best_batch']}, **{model['best_rate']:.0f} texts/s**; batch-1 p50 latency "
+            f"**{model['batch1_p50_ms']:.3f} ms**.",
+            "",
+            "| server | connections | req/s | / model alone | p50 (ms) | p99 (ms) | CPU/request (ms) | "
+            "CPU outside session.run (ms) | mean batch | non-2xx | socket errors |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in per_length["rows"]:
+            lines.append(
+                f"| {row['server']} | {row['connections']} | {row['rps']:.0f} | {row['ratio_to_model']:.2f} | "
+                f"{row['p50_ms']:.2f} | {row['p99_ms']:.1f} | {row['cpu_ms_per_request']:.3f} | "
+                f"{row['cpu_ms_outside_run']:.3f} | {row['mean_batch']:.1f} | {row['non_2xx']} | "
+                f"{row['socket_errors'] or '-'} |"
+            )
+        lines.append("")
+    lines += ["## Goals (issue #20)", "", *goals(results), "", f"![results]({stem}.png)", ""]
     (out / f"{stem}.md").write_text("\n".join(lines))
+    plot(out / f"{stem}.png", bundle, info, results)
 
+
+def goals(results: dict) -> list[str]:
+    def row(tokens: int, server: str, connections: int) -> dict | None:
+        return next((r for r in results.get(tokens, {}).get("rows", [])
+                     if r["server"] == server and r["connections"] == connections), None)  # fmt: skip
+
+    def verdict(met: bool) -> str:
+        return "**met**" if met else "**missed**"
+
+    lines = []
+    ours = "this service"
+    if (r := row(64, ours, 64)) is not None:
+        lines.append(f"- 64 tokens, 64 connections: {r['ratio_to_model']:.2f} of the model alone at its best batch "
+                     f"size (goal >= 0.85): {verdict(r['ratio_to_model'] >= 0.85)}")
+        for connections in (16, 64):
+            mine = row(64, ours, connections)
+            for peer in ("Mosec", "Triton (PyTriton)"):
+                theirs = row(64, peer, connections)
+                if mine is None or theirs is None:
+                    continue
+                met = mine["rps"] > theirs["rps"] and mine["p99_ms"] <= theirs["p99_ms"]
+                lines.append(f"- 64 tokens, {connections} connections, against {peer}: {mine['rps']:.0f} vs "
+                             f"{theirs['rps']:.0f} req/s ({mine['rps'] / theirs['rps']:.2f}x), p99 "
+                             f"{mine['p99_ms']:.1f} vs {theirs['p99_ms']:.1f} ms: {verdict(met)}")
+    for tokens, per_length in results.items():
+        if (r := row(tokens, ours, 1)) is not None:
+            limit = per_length["model"]["batch1_p50_ms"] + 0.3
+            lines.append(f"- {tokens} tokens, 1 connection: p50 {r['p50_ms']:.3f} ms against the model's batch-1 "
+                         f"{per_length['model']['batch1_p50_ms']:.3f} ms + 0.3 = {limit:.3f} ms: "
+                         f"{verdict(r['p50_ms'] <= limit)} (overhead {r['p50_ms'] - limit + 0.3:.3f} ms)")
+    for tokens in results:
+        if (r := row(tokens, ours, 64)) is not None:
+            lines.append(f"- {tokens} tokens, 64 connections: CPU outside session.run {r['cpu_ms_outside_run']:.3f} "
+                         f"ms per request (goal <= 0.15 ms): {verdict(r['cpu_ms_outside_run'] <= 0.15)}")
+    if (r := row(512, ours, 64)) is not None:
+        lines.append(f"- 512 tokens, 64 connections: {r['ratio_to_model']:.2f} of the model alone at its best batch "
+                     f"size (goal >= 0.95): {verdict(r['ratio_to_model'] >= 0.95)}")
+    return lines
+
+
+def plot(path: Path, bundle: Bundle, info: dict, results: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.bar(["raw session.run", "HTTP /classify"], [summary["raw_p50_ms"], summary["http_p50_ms"]],
-             color=["#888", "#1f77b4"])
-    left.set_ylabel("p50 latency (ms)")
-    left.set_title(f"(a) one user, {summary['overhead_tokens']} tokens: "
-                   f"overhead {summary['overhead_ms']:.2f} ms")
-    for setting in dict.fromkeys(r["setting"] for r in throughput):
-        points = [(r["concurrency"], r["value"]) for r in throughput if r["setting"] == setting]
-        right.plot(*zip(*points, strict=True), "o-" if setting.startswith("dynamic") else "s--", label=setting)
-    right.set_xscale("log", base=2)
-    right.set_xlabel("concurrent clients")
-    right.set_ylabel("throughput (req/s)")
-    right.set_title(f"(b) {summary['throughput_tokens']} tokens: gain {summary['gain']:.2f}x")
-    right.legend()
-    fig.suptitle(f"{bundle.name} ({bundle.attention}), nproc={info['nproc']}, {info['cpu']}", fontsize=9)
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, (tokens, per_length) in zip(axes[0], results.items(), strict=True):
+        servers = list(dict.fromkeys(r["server"] for r in per_length["rows"]))
+        connections = sorted({r["connections"] for r in per_length["rows"]})
+        width = 0.8 / max(len(servers), 1)
+        for i, server in enumerate(servers):
+            values = [next((r["rps"] for r in per_length["rows"] if r["server"] == server and r["connections"] == c),
+                           0) for c in connections]  # fmt: skip
+            ax.bar(np.arange(len(connections)) + i * width, values, width, label=server)
+        ax.axhline(per_length["model"]["best_rate"], color="k", ls="--", lw=1,
+                   label=f"model alone, batch {per_length['model']['best_batch']}")  # fmt: skip
+        ax.set_xticks(np.arange(len(connections)) + width * (len(servers) - 1) / 2, [str(c) for c in connections])
+        ax.set_xlabel("keep-alive connections")
+        ax.set_ylabel("requests/s (one text each)")
+        ax.set_title(f"{tokens}-token texts")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{bundle.name} on core 0, 1 ORT thread; {info['cpu']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out / f"{stem}.png", dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, default=REPO / "models" / "classify-linformer")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    parser.add_argument("--runs", type=int, default=300, help="requests for the one-user latency")
-    parser.add_argument("--seconds", type=float, default=5.0, help="per throughput point")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--max-batch-size", type=int, default=32, help="for the dynamic-batching runs")
-    parser.add_argument("--ort-threads", type=int, nargs="+", default=[0, 1], help="ORT intra-op threads (0: default)")
-    parser.add_argument("--client", choices=["wrk", "python"], default="wrk" if shutil.which("wrk") else "python",
-                        help="load generator for (b): wrk (apt install wrk) or a raw asyncio client")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 512])
+    parser.add_argument("--connections", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--seconds", type=float, default=8.0, help="per measured point (after a warm-up)")
+    parser.add_argument("--peers", nargs="*", default=["mosec", "triton"], choices=["mosec", "triton"])
+    parser.add_argument("--peers-python", default=str(REPO / ".venv-peers" / "bin" / "python"),
+                        help="a venv with `pip install -e '.[peers]'` (Mosec, PyTriton)")
+    parser.add_argument("--flame", action="store_true", help="also record a py-spy flame graph of the service")
+    parser.add_argument("--baseline", metavar="GIT_REF",
+                        help="also serve with service/ as it was at this commit (git archive), for a before/after")
     args = parser.parse_args()
 
-    if not args.bundle.exists():
-        sys.exit(f"no bundle at {args.bundle}: export one first or pass --bundle DIR")
+    if shutil.which("wrk") is None:
+        sys.exit("wrk is needed (apt install wrk)")
     bundle = load_bundle(args.bundle)
     if bundle.task != "classify":
         sys.exit(f"{args.bundle} is a {bundle.task} bundle; this benchmark needs a classify bundle")
-    command = " ".join(["python", *sys.argv])
-    manifest = json.loads((bundle.path / "manifest.json").read_text())
-    info = {**machine(), "model_sha256": manifest["files"]["model.onnx"]}
-    if info["load_before"] > 0.5 * int(info["nproc"]):
-        print(f"warning: load average {info['load_before']:.1f} on {info['nproc']} cores: noisy results")
-    print(f"benchmarking {bundle.path} ({bundle.attention}, n_max={bundle.n_max}) on nproc={info['nproc']}")
-
+    peers = args.peers if Path(args.peers_python).exists() else []
+    if args.peers and not peers:
+        print(f"no peers' venv at {args.peers_python}: measuring the service alone")
+    info = {**machine(), "peers": peer_versions(args.peers_python) if peers else {}}
+    command = " ".join(["python", *[str(Path(a).relative_to(REPO)) if a.startswith(str(REPO)) else a
+                                    for a in sys.argv]])  # fmt: skip
     tokenizer = Tokenizer.from_bundle(bundle)
-    overhead_text, overhead_ids = text_of_length(tokenizer, min(128, bundle.n_max))
-    load_text, load_ids = text_of_length(tokenizer, min(64, bundle.n_max))
-    rows: list[dict] = []
-
-    raw_p50 = raw_session_p50_ms(bundle, overhead_ids, args.runs)
-    server = Server(bundle)
-    try:
-        http_p50 = http_one_user_p50_ms(server.port, json.dumps({"text": overhead_text}).encode(), args.runs)
-    finally:
-        server.stop()
-    rows += [
-        {"measurement": "raw_session_run_p50", "setting": f"{len(overhead_ids)} tokens", "concurrency": 1,
-         "value": raw_p50, "unit": "ms"},
-        {"measurement": "http_classify_p50", "setting": f"{len(overhead_ids)} tokens", "concurrency": 1,
-         "value": http_p50, "unit": "ms"},
-        {"measurement": "service_overhead_p50", "setting": f"{len(overhead_ids)} tokens", "concurrency": 1,
-         "value": http_p50 - raw_p50, "unit": "ms"},
-    ]
-    print(f"(a) raw p50 {raw_p50:.3f} ms, HTTP p50 {http_p50:.3f} ms, overhead {http_p50 - raw_p50:.3f} ms")
-
-    body = json.dumps({"text": load_text}).encode()
-    best = {}
-    points = [(batching, batch_size, threads, concurrency)
-              for batching, batch_size in (("dynamic", args.max_batch_size), ("max_batch_size=1", 1))
-              for threads in args.ort_threads for concurrency in args.concurrency]
-    for batching, batch_size, threads, concurrency in points:
-        setting = f"{batching}, ORT threads {threads or 'default'}"
-        server = Server(bundle, LINFORMER_MAX_BATCH_SIZE=str(batch_size),  # fresh metrics per point
-                        LINFORMER_ORT_INTRA_OP_THREADS=str(threads))
+    pin_to({int(LOAD_CORE)})
+    logs = Path(tempfile.mkdtemp(prefix="service-bench-"))
+    baseline = None
+    if args.baseline:
+        checkout = logs / "baseline"
+        checkout.mkdir()
+        archive = subprocess.run(["git", "archive", args.baseline, "service"], cwd=REPO, capture_output=True,
+                                 check=True).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
+        baseline = (args.baseline, checkout)
+    results: dict[int, dict] = {}
+    for tokens in args.tokens:
+        text, ids = text_of_length(tokenizer, min(tokens, bundle.n_max))
+        model = model_alone(bundle, ids, seconds=min(2.0, args.seconds))
+        print(f"{len(ids)} tokens, model alone: " + ", ".join(f"b{b} {r:.0f}/s" for b, r in model["rates"].items())
+              + f"; batch-1 p50 {model['batch1_p50_ms']:.3f} ms", flush=True)  # fmt: skip
+        servers = make_servers(bundle, text, peers, args.peers_python, baseline)
+        rows = []
         try:
-            result = saturated_throughput(server.port, body, concurrency, args.seconds, args.client)
-            batch_mean = mean_batch_size(server.metrics())
+            for server in servers:
+                server.start(logs / f"{server.name.split()[0].lower()}-{tokens}.log")
+            for connections in args.connections:
+                for server in servers:
+                    row = {"server": server.name, "connections": connections,
+                           **measure(server, connections, args.seconds, model)}  # fmt: skip
+                    rows.append(row)
+                    print(f"{len(ids)} tokens, {server.name:>18}, c={connections:<3} {row['rps']:7.0f} req/s "
+                          f"({row['ratio_to_model']:.2f} of model) p50 {row['p50_ms']:7.2f} p99 {row['p99_ms']:7.1f} "
+                          f"ms, CPU/req {row['cpu_ms_per_request']:.3f} (outside run {row['cpu_ms_outside_run']:.3f})"
+                          f" ms, batch {row['mean_batch']:.1f}, non-2xx {row['non_2xx']}, socket errors "
+                          f"{row['socket_errors'] or 'none'}", flush=True)  # fmt: skip
+            if args.flame and tokens == 64:
+                record_flame(servers[0], args.out / f"service_flame_{bundle.name}", args.seconds)
         finally:
-            server.stop()
-        print(f"(b) {setting:>36} c={concurrency:<3} {result['throughput_rps']:8.1f} req/s "
-              f"p50 {result['p50_ms']:.2f} ms, mean batch {batch_mean:.2f}, errors {result['errors']}")
-        best[batching] = max(best.get(batching, 0.0), result["throughput_rps"])
-        for measurement, value, unit in (
-            ("throughput", result["throughput_rps"], "req/s"), ("latency_p50", result["p50_ms"], "ms"),
-            ("mean_batch_size", batch_mean, "texts"), ("errors", result["errors"], "responses"),
-        ):
-            rows.append({"measurement": measurement, "setting": setting, "concurrency": concurrency,
-                         "value": value, "unit": unit})
-
-    raw = {t: (raw_texts_per_s(bundle, load_ids, 1, t), raw_texts_per_s(bundle, load_ids, args.max_batch_size, t))
-           for t in args.ort_threads}  # fmt: skip
-    for t, (one, many) in raw.items():
-        print(f"raw model, ORT threads {t or 'default'}: batch 1 {one:.0f} texts/s, batch {args.max_batch_size} "
-              f"{many:.0f} texts/s")
-    summary = {
-        "max_batch_size": args.max_batch_size, "raw": raw,
-        "raw_ceiling": max(many for _, many in raw.values()) / max(one for one, _ in raw.values()),
-        "overhead_tokens": len(overhead_ids), "raw_p50_ms": raw_p50, "http_p50_ms": http_p50,
-        "overhead_ms": http_p50 - raw_p50, "throughput_tokens": len(load_ids), "client": args.client,
-        "dynamic_best_rps": best["dynamic"], "single_best_rps": best["max_batch_size=1"],
-        "gain": best["dynamic"] / best["max_batch_size=1"],
-    }
-    stem = f"service_bench_{bundle.name}"
-    write_report(args.out, stem, command, bundle, info, rows, summary)
-    print(f"gain {summary['gain']:.2f}x; wrote {args.out / stem}.{{csv,md,png}}")
+            for server in servers:
+                server.stop()
+        # the model again after the servers, each batch size at the faster of its two runs: the ratios are taken
+        # against the model's best showing in this run
+        again = model_alone(bundle, ids, seconds=min(2.0, args.seconds))
+        model = best_of(model, again)
+        for row in rows:
+            row["ratio_to_model"] = row["rps"] / model["best_rate"]
+            row["cpu_ms_outside_run"] = row["cpu_ms_per_request"] - model_cpu_ms_at(model, row["mean_batch"])
+        results[len(ids)] = {"model": model, "rows": rows}
+    suffix = "" if args.tokens == [16, 64, 512] else "-" + "-".join(map(str, args.tokens))
+    stem = f"service_bench_{bundle.name}{suffix}"
+    write_report(args.out, stem, command, bundle, info, results)
+    print("\n".join(goals(results)))
+    print(f"wrote {args.out / stem}.{{csv,md,png}} (server logs in {logs})")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python -m export classify --checkpoint runs/classify-linformer-k128/best.pt --out models/classify-linformer
     python -m export translate --checkpoint runs/translate-linformer-k64/best.pt --out models/translate-linformer
     python -m export quantize --bundle models/translate-linformer --out models/translate-linformer-int8
+    python -m export calibrate --bundle models/classify-linformer  (the batcher's token budget, measured)
 """
 
 from __future__ import annotations
@@ -33,7 +34,20 @@ def main(argv: list[str] | None = None) -> None:
     quantize.add_argument("--bundle", type=Path, required=True, help="fp32 bundle, e.g. models/classify-linformer")
     quantize.add_argument("--out", type=Path, required=True, help="e.g. models/classify-linformer-int8")
     quantize.add_argument("--per-channel", action="store_true", help="one weight scale per output column")
+    calibrate = sub.add_parser("calibrate", help="measure texts/s against batch size x length on this machine and "
+                                                 "write the batcher's token budget into the bundle's manifest.json")
+    calibrate.add_argument("--bundle", type=Path, required=True, help="classify bundle, e.g. models/classify-linformer")
+    calibrate.add_argument("--threads", type=int, default=1, help="ORT threads per server process (default 1)")
     args = parser.parse_args(argv)
+
+    if args.task == "calibrate":  # onnxruntime only: runs on the serving machine without torch
+        from export.calibrate import calibrate_bundle, table_markdown
+
+        batching = calibrate_bundle(args.bundle, args.threads)
+        print(table_markdown(batching))
+        print(json.dumps({"bundle": str(args.bundle), "max_batch_tokens": batching["max_batch_tokens"],
+                          "worst_length_ratio_to_best": batching["worst_length_ratio_to_best"]}))  # fmt: skip
+        return
 
     if args.task == "quantize":  # a bundle in, a bundle out: no checkpoint, no torch
         from export.quantize import quantize_bundle
@@ -48,9 +62,11 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = args.tokenizer or Path(extra["data"]) / "spm.model"
     name = args.name or args.out.name
     if args.task == "classify":
+        from export.calibrate import calibrate_bundle
         from export.classify import export_classifier
 
         config = export_classifier(args.checkpoint, tokenizer, args.out, name, note=args.note)
+        config["batching"] = {"max_batch_tokens": calibrate_bundle(args.out)["max_batch_tokens"]}
     else:
         import sentencepiece as spm
 
@@ -62,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         pairs = read_pairs(Path(extra["data"]) / "test.tsv")[: args.parity_sentences]
         sources = [encode_source(sp, en, n_max) for en, _ in pairs]
         config = export_translator(args.checkpoint, tokenizer, args.out, name, sources, notes=args.note)
-    print(json.dumps({"bundle": str(args.out), "parity": config["parity"], "export": config["export"]}))
+    print(json.dumps({"bundle": str(args.out), "parity": config["parity"], "export": config["export"],
+                      "batching": config.get("batching")}))  # fmt: skip
 
 
 if __name__ == "__main__":

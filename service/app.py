@@ -5,6 +5,7 @@ orchestrator never routes to it; a bundle that exists but fails verification ref
 An empty model name means the task is not configured at all.
 """
 
+import gc
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -20,13 +21,13 @@ from starlette.types import ASGIApp
 
 from service.batcher import Batcher, StepBatcher
 from service.bundle import Bundle, BundleError, load_bundle
-from service.config import Settings
+from service.config import UNCALIBRATED_MAX_BATCH_TOKENS, Settings
 from service.deps import ModelService, ServiceState
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
-from service.routes import router
-from service.runtime import ClassifierRuntime, TranslatorRuntime, choose_providers, make_session
+from service.routes import ClassifyEndpoint, router
+from service.runtime import ClassifierRuntime, TranslatorRuntime, choose_providers, make_session, probabilities
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -83,9 +84,10 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
         bundle = load_bundle(path)
         if bundle.task != task:
             raise BundleError(f"bundle {path} is a {bundle.task!r} bundle, configured as the {task} model")
-        if bundle.n_max > settings.max_batch_tokens:
-            log.warning("n_max=%d exceeds MAX_BATCH_TOKENS=%d: long texts run alone in oversized batches",
-                        bundle.n_max, settings.max_batch_tokens)
+        max_batch_tokens = settings.max_batch_tokens or bundle.max_batch_tokens or UNCALIBRATED_MAX_BATCH_TOKENS
+        log.info("%s: batches of at most %d padded tokens (%s)", bundle.name, max_batch_tokens,
+                 "LINFORMER_MAX_BATCH_TOKENS" if settings.max_batch_tokens else
+                 "measured for this bundle, manifest.json" if bundle.max_batch_tokens else "default")  # fmt: skip
         try:  # files that match their manifest can still be unusable (exported by a newer ORT, say)
             tokenizer = Tokenizer.from_bundle(bundle)
             runtime = make_runtime(bundle, providers, settings)
@@ -96,16 +98,16 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
 
             def run_batch(input_ids, attention_mask, options, stop_if_abandoned, runner=runner):
                 return runner.run(input_ids, attention_mask, options, stop_if_abandoned)
-        else:  # one ORT call: nothing to stop half-way
+        else:  # one ORT call: nothing to stop half-way; the routes answer probabilities
 
             def run_batch(input_ids, attention_mask, _options, _stop_if_abandoned, runner=runner):
-                return runner.run(input_ids, attention_mask)
+                return probabilities(runner.run(input_ids, attention_mask))
 
         batching = dict(
             name=bundle.name,
             pad_id=bundle.pad_id,
             max_batch_size=settings.max_batch_size,
-            max_batch_tokens=settings.max_batch_tokens,
+            max_batch_tokens=max_batch_tokens,
             max_wait_s=settings.max_wait_ms / 1000,
             max_queue=settings.max_queued_decode_tokens if task == "translate" else settings.max_queue,
             metrics=metrics,
@@ -123,12 +125,15 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
 
 class ServiceApp(FastAPI):
     """FastAPI with our request middleware outside the framework's own layers (error, telemetry, body-limit
-    middleware), so that a request refused at admission costs a dict lookup, not a trip through all of them."""
+    middleware), so that a request refused at admission costs a dict lookup, not a trip through all of them,
+    and POST /classify goes straight to its plain ASGI endpoint."""
 
     request_context: RequestContextMiddleware | None = None  # built with the stack, on the first request
 
     def build_middleware_stack(self) -> ASGIApp:
-        self.request_context = RequestContextMiddleware(super().build_middleware_stack(), state=self.state.service)
+        state = self.state.service
+        self.request_context = RequestContextMiddleware(super().build_middleware_stack(), state=state,
+                                                        endpoints={"/classify": ClassifyEndpoint(state)})
         return self.request_context
 
     def openapi(self) -> dict[str, Any]:
@@ -173,6 +178,11 @@ def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper
         batchers = [m.batcher for m in state.models.values() if m.batcher is not None]
         for batcher in batchers:
             batcher.start()
+        if settings.gc_freeze:
+            # the ~10^5 objects of the loaded app move out of the collector's reach: each full collection under
+            # load then walks only what requests allocate, instead of pausing every request for all of them
+            gc.collect()
+            gc.freeze()
         yield
         # uvicorn has stopped accepting and waited for in-flight requests; finish anything still queued
         for batcher in batchers:

@@ -2,7 +2,7 @@
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ class Bundle:
     add_eos: bool
     onnx_files: dict[str, str]  # role ("model", "encoder", "decoder") -> file name
     config: dict[str, Any] = field(repr=False)
+    # the batcher's padded-token budget measured for this model (manifest.json `batching`), if any
+    max_batch_tokens: int | None = None
 
     @property
     def tokenizer_path(self) -> Path:
@@ -100,6 +102,12 @@ def load_bundle(path: Path) -> Bundle:
     for name in ["config.json", "tokenizer.model", *onnx_files.values()]:
         if name not in verified:
             raise BundleError(f"bundle {path}: {name} is not listed in manifest.json, so it is unverified")
+    budget = json.loads((path / "manifest.json").read_text()).get("batching", {}).get("max_batch_tokens")
+    if budget is not None:
+        if not isinstance(budget, int) or budget < 1:
+            raise BundleError(f"bundle {path}: manifest.json batching.max_batch_tokens must be a positive integer, "
+                              f"got {budget!r}; re-run `python -m export calibrate --bundle {path}`")  # fmt: skip
+        bundle = replace(bundle, max_batch_tokens=budget)
     if task == "classify" and not bundle.labels:
         raise BundleError(f"bundle {path}: a classify bundle needs a non-empty 'labels' list")
     return bundle

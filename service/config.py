@@ -6,6 +6,9 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# a bundle with no measured budget (translation, or exported before calibration): 32 texts of 512 tokens
+UNCALIBRATED_MAX_BATCH_TOKENS = 16384
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LINFORMER_", extra="ignore")
@@ -18,8 +21,9 @@ class Settings(BaseSettings):
 
     # dynamic batching (policy in service/batcher.py)
     max_batch_size: int = Field(32, ge=1)
-    # padded tokens in one batch: batch size x longest sequence
-    max_batch_tokens: int = Field(16384, ge=1)
+    # padded tokens in one batch: batch size x longest sequence. None: the budget measured for the bundle
+    # (manifest.json `batching`, written by `python -m export calibrate`), or 16384 for a bundle without one
+    max_batch_tokens: int | None = Field(None, ge=1)
     # How long the oldest queued text may wait for companions while the runtime is idle. Like Triton's
     # max_queue_delay, 0 by default: under load batches still form from the texts that queue up while
     # the previous batch computes; a positive value trades single-user latency for fuller batches.
@@ -56,6 +60,9 @@ class Settings(BaseSettings):
     # balancers and keep-alive clients move away; then the server stops accepting, finishes what it
     # accepted (up to request_timeout_s more) and exits 0.
     drain_s: float = Field(5.0, ge=0)
+
+    # gc.freeze() once the models are loaded (see service/app.py); off only to measure what it changes
+    gc_freeze: bool = True
 
     # ONNX Runtime
     ort_intra_op_threads: int = Field(0, ge=0)  # 0 = ORT default (one per physical core)

@@ -8,6 +8,7 @@ The raw ASGI middleware, which answers before FastAPI runs (413, 429), builds it
 
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -92,7 +93,14 @@ def _safe_details(errors: list[dict]) -> list[dict]:
     ]  # fmt: skip
 
 
-def _unparseable_body_message(cause: BaseException | None) -> str:
+def invalid_request_body(errors: Sequence[Any], request_id: str) -> bytes:
+    """The 422 body for validation errors (pydantic's or ours, `loc` starting at "body")."""
+    details = _safe_details(list(errors))
+    message = "; ".join(f"{'.'.join(map(str, d['loc']))}: {d['msg']}" for d in details) or "invalid request"
+    return error_body("invalid_request", message, request_id, details)
+
+
+def unparseable_body_message(cause: BaseException | None) -> str:
     """FastAPI answers 400 for a body json.loads raised on with anything but a JSONDecodeError; say which."""
     if isinstance(cause, UnicodeDecodeError):
         return "the request body is not valid UTF-8"
@@ -110,9 +118,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        details = _safe_details(list(exc.errors()))
-        message = "; ".join(f"{'.'.join(map(str, d['loc']))}: {d['msg']}" for d in details) or "invalid request"
-        return error_response(request, 422, "invalid_request", message, details=details)
+        return Response(invalid_request_body(exc.errors(), request_id_of(request)), status_code=422,
+                        media_type="application/json")  # fmt: skip
 
     @app.exception_handler(Exception)  # Starlette's ServerErrorMiddleware answers with it, then re-raises to log
     async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -123,7 +130,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
             # a body that is not JSON is an invalid request like any other malformed JSON: 422, as documented
-            return error_response(request, 422, "invalid_request", _unparseable_body_message(exc.__cause__))
+            return error_response(request, 422, "invalid_request", unparseable_body_message(exc.__cause__))
         code = _CODE_BY_STATUS.get(exc.status_code, "error")
         return error_response(request, exc.status_code, code, str(exc.detail), headers=exc.headers)
 

@@ -1,5 +1,7 @@
 """Prometheus metrics, one registry per app (so several apps in one process do not collide)."""
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -47,10 +49,26 @@ class Metrics:
             ["route", "reason"], registry=r,
         )
 
+        # label values -> bound child: `.labels()` takes a lock and builds a key on every call, per request
+        self._request_children: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._batch_children: dict[str, tuple[Any, Any, Any, Any]] = {}
+
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        children = self._request_children.get((route, status))
+        if children is None:
+            children = self.requests.labels(route, str(status)), self.latency.labels(route)
+            self._request_children[route, status] = children
+        count, latency = children
+        count.inc()
+        latency.observe(seconds)
+
     def observe_batch(
         self, model: str, *, size: int, real_tokens: int, padded_tokens: int, inference_s: float
     ) -> None:
-        self.batch_size.labels(model).observe(size)
-        self.real_tokens.labels(model).observe(real_tokens)
-        self.padded_tokens.labels(model).observe(padded_tokens)
-        self.inference.labels(model).observe(inference_s)
+        children = self._batch_children.get(model)
+        if children is None:
+            children = tuple(metric.labels(model) for metric in
+                             (self.batch_size, self.real_tokens, self.padded_tokens, self.inference))  # fmt: skip
+            self._batch_children[model] = children
+        for child, value in zip(children, (size, real_tokens, padded_tokens, inference_s), strict=True):
+            child.observe(value)

@@ -37,8 +37,10 @@ def _request_ids():
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, *, state: ServiceState):
+    def __init__(self, app: ASGIApp, *, state: ServiceState, endpoints: dict[str, ASGIApp] | None = None):
+        """`endpoints`: path -> plain ASGI app that answers POST requests to it instead of `app` (the framework)."""
         self.app = app
+        self.endpoints = endpoints or {}
         self.state = state
         self.metrics = state.metrics
         settings = state.settings
@@ -60,6 +62,7 @@ class RequestContextMiddleware:
         status = 0
         path = scope["path"]
         task = path if path in self.in_flight and scope["method"] == "POST" else None
+        endpoint = self.endpoints.get(path) if scope["method"] == "POST" else None
 
         async def send_with_context(message: Message) -> None:
             nonlocal status
@@ -94,7 +97,7 @@ class RequestContextMiddleware:
                 if task is not None:
                     self.in_flight[task] += 1
                     admitted = True
-                await self.app(scope, receive_limited, send_with_context)
+                await (endpoint or self.app)(scope, receive_limited, send_with_context)
         except Exception:
             if status:
                 raise  # the answer has started: nothing better to send; uvicorn closes the connection
@@ -107,10 +110,8 @@ class RequestContextMiddleware:
                 self.in_flight[task] -= 1
                 if status == 200:
                     self._latency_s[task] = 0.9 * self._latency_s[task] + 0.1 * elapsed
-            route = scope.get("route")
-            route_label = getattr(route, "path", "unmatched")
-            self.metrics.requests.labels(route_label, str(status)).inc()
-            self.metrics.latency.labels(route_label).observe(elapsed)
+            route_label = path if endpoint is not None else getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.observe_request(route_label, status, elapsed)
             client = scope.get("client") or ("-", 0)
             access_log.info(
                 "request_id=%s method=%s path=%s status=%d duration_ms=%.2f client=%s",

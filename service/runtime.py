@@ -95,6 +95,12 @@ class ClassifierRuntime:
         return logits
 
 
+def probabilities(logits: np.ndarray) -> list[list[float]]:
+    """Softmax per row, as Python floats: done once per batch here, not once per text in the event loop."""
+    shifted = np.exp(logits.astype(np.float64) - logits.max(axis=-1, keepdims=True))
+    return (shifted / shifted.sum(axis=-1, keepdims=True)).tolist()
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max(axis=-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))

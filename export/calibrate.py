@@ -1,0 +1,132 @@
+"""The batcher's token budget for a classify bundle, from measurement: texts/s against batch size x length.
+
+A batch is not always cheaper per text than a single text on a CPU: past a size that depends on the model
+and the machine (caches, the attention's n x k matrices), texts/s falls again. On the AMD EPYC core here,
+64-token texts run fastest in batches of about 8, and 512-token texts in batches of 1 to 4 (~20 % slower per
+text at 32). The dynamic batcher caps a batch at `max_batch_tokens` padded tokens (batch x longest), so one
+budget serves every length: this picks the budget under which the worst length runs closest to its own
+best rate, and writes it with the table into the bundle's manifest.json, where the service reads it
+(LINFORMER_MAX_BATCH_TOKENS still overrides it).
+
+Timed with one ORT thread (the served set-up: one core per server process) in CPU seconds of this process,
+so another process sharing the core does not skew it. Export runs it; run it again on the machine that
+serves if that is a different kind of CPU:
+
+    python -m export calibrate --bundle models/classify-linformer
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+LENGTHS = (16, 64, 128, 256, 512, 1024)
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+# run-to-run spread of one rate on a shared core (3 repeats, median): differences below it decide nothing
+NOISE = 0.03
+
+
+def _session(model: Path, threads: int) -> ort.InferenceSession:
+    """As the service makes it (service/runtime.py, default settings): with ORT's CPU arena and memory patterns
+    off every run allocates its activations afresh, which costs big batches more than small ones, so a
+    calibration with the arena on would favour batches that then serve slower."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = threads
+    options.enable_cpu_mem_arena = options.enable_mem_pattern = False
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(model), sess_options=options, providers=["CPUExecutionProvider"])
+
+
+def texts_per_cpu_second(session: ort.InferenceSession, batch: int, length: int, vocab_size: int,
+                         tokens: int = 16384, repeats: int = 3) -> float:  # fmt: skip
+    """Median over `repeats` of texts per CPU second, each repeat about `tokens` real tokens of work."""
+    ids = np.random.default_rng(0).integers(4, vocab_size, size=(batch, length), dtype=np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    session.run(None, feeds)  # the first run of a shape allocates
+    runs = max(1, tokens // (batch * length))
+    rates = []
+    for _ in range(repeats):
+        started = time.process_time()
+        for _ in range(runs):
+            session.run(None, feeds)
+        rates.append(runs * batch / max(time.process_time() - started, 1e-9))
+    return statistics.median(rates)
+
+
+def measure(model: Path, n_max: int, vocab_size: int, threads: int = 1) -> dict[int, dict[int, float]]:
+    """length -> batch size -> texts per CPU second."""
+    session = _session(model, threads)
+    return {length: {batch: texts_per_cpu_second(session, batch, length, vocab_size) for batch in BATCH_SIZES}
+            for length in LENGTHS if length <= n_max}  # fmt: skip
+
+
+def choose_budget(table: dict[int, dict[int, float]], max_batch_size: int = max(BATCH_SIZES)) -> tuple[int, float]:
+    """-> (max_batch_tokens, worst ratio). A budget lets texts of length L form batches of
+    min(max_batch_size, budget // L), taken at the largest measured size not above that; its score is the
+    worst length's rate under it as a fraction of that length's best. Among the budgets B x L measured, the
+    largest whose score is within NOISE of the best score: a smaller one would win on noise alone, and every
+    batch also costs the service a fixed amount (padding, a thread hop, futures) that these figures leave out."""
+
+    def rate_under(budget: int, length: int) -> float:
+        allowed = min(max_batch_size, max(1, budget // length))
+        return table[length][max(b for b in table[length] if b <= allowed)]
+
+    best = {length: max(rates.values()) for length, rates in table.items()}
+    candidates = sorted({batch * length for length, rates in table.items() for batch in rates})
+    scores = {budget: min(rate_under(budget, length) / best[length] for length in table) for budget in candidates}
+    top = max(scores.values())
+    budget = max(b for b, score in scores.items() if score >= top - NOISE)
+    return budget, scores[budget]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def calibrate_bundle(bundle: Path, threads: int = 1) -> dict:
+    """Measure, choose, and write `batching` into bundle/manifest.json (its `files` are left as they are)."""
+    config = json.loads((bundle / "config.json").read_text())
+    if config.get("task") != "classify":
+        raise ValueError(f"{bundle} is a {config.get('task')!r} bundle; the calibration is for classify bundles")
+    model = bundle / config.get("onnx", {}).get("model", "model.onnx")
+    table = measure(model, int(config["n_max"]), int(config["model_config"]["vocab_size"]), threads)
+    budget, worst_ratio = choose_budget(table)
+    batching = {
+        "max_batch_tokens": budget,
+        "worst_length_ratio_to_best": round(worst_ratio, 3),
+        "texts_per_cpu_second": {str(length): {str(b): round(r, 1) for b, r in rates.items()}
+                                 for length, rates in table.items()},  # fmt: skip
+        "measured_with": {"ort_threads": threads, "cpu": cpu_name(), "nproc": os.cpu_count(),
+                          "onnxruntime": ort.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime())},
+    }  # fmt: skip
+    manifest_path = bundle / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["batching"] = batching
+    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+    return batching
+
+
+def table_markdown(batching: dict) -> str:
+    """The measured table as Markdown, each row relative to its length's best batch size."""
+    rows = batching["texts_per_cpu_second"]
+    sizes = list(next(iter(rows.values())))
+    lines = ["| tokens | " + " | ".join(f"batch {b}" for b in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+    for length, rates in rows.items():
+        best = max(rates.values())
+        cells = [f"**{r:.0f}**" if r == best else f"{r:.0f} ({r / best:.2f})" for r in rates.values()]
+        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,78 @@
+"""POST /classify is served by a plain ASGI endpoint in front of FastAPI; it must answer exactly as the documented
+FastAPI route does: the same results, the same status codes, the one error shape."""
+
+import httpx
+import pytest
+from conftest import make_settings, running_service
+
+pytestmark = pytest.mark.anyio
+
+BODIES = {
+    "one text": b'{"text": "the film was great"}',
+    "several texts": b'{"texts": ["bad boring awful", "a moving story", "the music"]}',
+    "truncated": b'{"texts": ["' + b"the film " * 80 + b'"], "truncate": true}',
+    "too long": b'{"texts": ["short", "' + b"the film " * 80 + b'"]}',
+    "too many texts": b'{"texts": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]}',
+    "empty text": b'{"text": " "}',
+    "both fields": b'{"text": "a", "texts": ["b"]}',
+    "wrong type": b'{"texts": ["ok", 3]}',
+    "unknown field": b'{"text": "ok", "extra": 1}',
+    "NaN and a lone surrogate": b'{"texts": ["fine", "\\ud800", 5], "extra": NaN}',
+    "not JSON": b'{"texts": ["a",',
+    "not UTF-8": b'{"text": "\xff\xfe"}',
+    "a JSON list": b'["a", "b"]',
+    "JSON null": b"null",
+    "empty body": b"",
+}
+
+
+@pytest.fixture
+async def clients(models_dir):
+    """(the server's path, FastAPI's own route) over one app: the second skips the request middleware."""
+    settings = make_settings(models_dir, translate_model="", max_texts_per_request=8)
+    async with running_service(settings) as client:
+        await client.get("/healthz")  # builds the middleware stack
+        app = client._transport.app
+        framework = app.request_context.app  # FastAPI's own middleware stack and routes
+
+        async def without_request_middleware(scope, receive, send):
+            scope["app"] = app  # as Starlette sets it before the stack
+            await framework(scope, receive, send)
+
+        transport = httpx.ASGITransport(app=without_request_middleware)
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as direct:
+            yield client, direct
+
+
+@pytest.mark.parametrize("body", BODIES.values(), ids=BODIES.keys())
+async def test_the_endpoint_answers_as_the_fastapi_route(clients, body):
+    served, documented = clients
+    headers = {"content-type": "application/json"}
+    ours = await served.post("/classify", content=body, headers=headers)
+    theirs = await documented.post("/classify", content=body, headers=headers)
+    assert ours.status_code == theirs.status_code, (ours.text, theirs.text)
+    if ours.status_code == 200:
+        assert ours.json() == theirs.json()
+    else:
+        mine, reference = ours.json()["error"], theirs.json()["error"]
+        assert mine["code"] == reference["code"]
+        assert mine["request_id"] == ours.headers["x-request-id"]
+        if "details" in reference:
+            assert {tuple(d["loc"]) for d in mine["details"]} >= {tuple(d["loc"]) for d in reference["details"]}
+
+
+async def test_a_body_that_is_not_json_is_refused_as_fastapi_does(clients):
+    served, documented = clients
+    for client in (served, documented):
+        r = await client.post("/classify", content=b"the film", headers={"content-type": "text/plain"})
+        assert r.status_code == 422
+        assert r.json()["error"]["code"] == "invalid_request"
+
+
+async def test_the_endpoint_counts_its_requests_under_its_route(clients):
+    served, _ = clients
+    await served.post("/classify", json={"text": "the film"})
+    await served.post("/classify", json={"text": ""})
+    metrics = (await served.get("/metrics")).text
+    assert 'linformer_requests_total{route="/classify",status="200"} 1.0' in metrics
+    assert 'linformer_requests_total{route="/classify",status="422"} 1.0' in metrics
