@@ -21,9 +21,11 @@ The paper's order (project K = X·Wk on n rows, then E·K and F·V) costs 8·n·
 Performer (FAVOR+) as model/linformer.py computes it, M random features per head, H heads of width d/H:
     Q, K, V, output projections   8·n·d²
     features W·q and W·k          2 · 2·n·d·M    = 4·n·d·M   (H heads × 2·n·(d/H)·M each)
-    φ(K)ᵀ·[V 1] and φ(Q)·(…)      2 · 2·n·M·(d + H)          (V with a ones column per head: numerator and D)
+    [V 1]ᵀ·φ(K)                   2·n·M·(d + H)              (Vᵀ with a row of ones per head: φ(K)ᵀV and φ(K)ᵀ1)
+    φ(Q)·(φ(K)ᵀV), φ(Q)·φ(K)ᵀ1    2·n·M·(d + H)              (the numerator and the diagonal of D)
     feed-forward                  4·n·d·d_ff
-Left out as for the others: the exp, the max and |x|²/2 of the features (O(n·M·H), like the softmax).
+Left out as for the others: the exp, the max and |x|²/2 of the features (O(n·M·H), like the softmax), and
+the division by D (O(n·d)).
 """
 
 from __future__ import annotations

@@ -109,7 +109,10 @@ def serving_settings(args: argparse.Namespace) -> dict[str, str]:
 def spawn(label: str, args: argparse.Namespace, stack: ExitStack, log_dir: Path) -> str:
     """Start `python -m service` for one deployment, pinned with taskset; returns its base URL."""
     port = free_port()
-    bundles = {"LINFORMER_CLASSIFY_MODEL": f"classify-{label}", "LINFORMER_TRANSLATE_MODEL": f"translate-{label}"}
+    # only the swept task's bundle: a configured bundle that is missing keeps /readyz at 503 (service.app), and
+    # the Performer and the tests' model folders have no translate bundle; an empty name leaves the task unconfigured
+    bundles = {f"LINFORMER_{task.upper()}_MODEL": f"{task}-{label}" if task == args.task else ""
+               for task in USER_CLASS}  # fmt: skip
     env = {**os.environ, **serving_settings(args), **bundles}
     log = stack.enter_context(open(log_dir / f"server-{label}.log", "w"))
     command = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)]
@@ -332,9 +335,9 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
         how = (
             f"Deployments: spawned by this sweep as {len(labels)} `python -m service` processes with identical "
             f"settings {json.dumps(serving_settings(args))} (batching limits at the service defaults unless set), "
-            f"differing only in LINFORMER_CLASSIFY_MODEL/LINFORMER_TRANSLATE_MODEL; all pinned with `taskset -c "
-            f"{args.server_cpus or 'all'}` and {args.threads} ORT intra-op thread(s); only the deployment under "
-            f"test receives load. Locust pinned with `taskset -c {args.client_cpus or 'all'}`."
+            f"differing only in LINFORMER_{args.task.upper()}_MODEL (the other task left unconfigured); all pinned "
+            f"with `taskset -c {args.server_cpus or 'all'}` and {args.threads} ORT intra-op thread(s); only the "
+            f"deployment under test receives load. Locust pinned with `taskset -c {args.client_cpus or 'all'}`."
         )
     else:
         how = (

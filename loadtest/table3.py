@@ -300,7 +300,8 @@ def write_report(args: argparse.Namespace, size: str, rows: list[dict], models: 
         + "; ".join(f"{label}: {m['fused']}" for label, m in models.items())
         + ". Vanilla and Linformer run attention in ORT's com.microsoft MultiHeadAttention kernel: the vanilla "
         "baseline is ORT's fastest CPU attention, not a naive MatMul-Softmax-MatMul graph. ORT has no kernel for "
-        "FAVOR+: the Performer runs as the plain MatMul, Exp and ReduceMax nodes of its exported graph.",
+        "FAVOR+: the Performer runs as the plain MatMul, Softmax (its queries' features), Exp and ReduceMax nodes "
+        "of its exported graph.",
         "",
         f"Runtime: ONNX Runtime CPU, {args.threads} intra-op thread(s), 1 inter-op thread, ORT_ENABLE_ALL, "
         f"same settings for all (service.runtime.make_session). Batch 1, random token ids, no padding. "

@@ -329,26 +329,36 @@ class RandomFeatures(nn.Module):
         if self.training_steps % self.redraw_every == 0:
             self.weight.copy_(orthogonal_gaussian(self.m, self.d_head))
 
+    def projections(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, H, T, hd) -> w.x' (B, H, T, M), x' = x hd^-1/4."""
+        return x @ (self.weight.T * self.scale)
+
+    def half_norms(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, H, T, hd) -> |x'|^2/2 (B, H, T). No trailing axis of 1: ORT runs an elementwise op over
+        (B, H, T, 1) one element per inner loop, several times slower than over (B, H, T)."""
+        return x.square().sum(dim=-1) * (self.scale**2 / 2)
+
     def exponents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B, H, T, hd) -> w.x' (B, H, T, M) and |x'|^2/2 (B, H, T, 1), x' = x hd^-1/4."""
-        return x @ (self.weight.T * self.scale), x.square().sum(dim=-1, keepdim=True) * (self.scale**2 / 2)
+        """x (B, H, T, hd) -> w.x' (B, H, T, M) and |x'|^2/2 (B, H, T, 1)."""
+        return self.projections(x), self.half_norms(x).unsqueeze(-1)
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
-        """phi(q) times a factor per query (B, H, T, M): |q|^2/2, 1/sqrt(M) and the max are such factors,
-        so exp(w.q' - max_i w_i.q') is all that is left; its largest feature is exp(0) = 1."""
-        a = q @ (self.weight.T * self.scale)
-        return torch.exp(a - a.amax(dim=-1, keepdim=True).detach())
+        """phi(q) times a factor per query (B, H, T, M): |q|^2/2 and 1/sqrt(M) are such factors, so
+        exp(w.q') normalised over the features, a softmax over M, is phi(q) up to one: ORT's Softmax kernel
+        subtracts the max over the features (the stable form) and exponentiates in one pass over (T, M)
+        instead of three ops (max, subtract, exp). Each row sums to 1."""
+        return torch.softmax(self.projections(q), dim=-1)
 
     def keys(self, k: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """phi(k) times one factor per sequence and head (B, H, T, M), zero at padding (keep (B, T) False).
 
         The max subtracted is over real keys only, so padding changes neither it nor any real key's
-        features. The max, |k|^2/2 and padding all act on (B, H, T, 1): one exp over (T, M), no mask on it."""
-        a, half_norm = self.exponents(k)
-        real = keep[:, None, :, None]
-        peak = (a.amax(dim=-1, keepdim=True) - half_norm).masked_fill(~real, float("-inf")).amax(dim=2, keepdim=True)
+        features. The max, |k|^2/2 and padding all act on (B, H, T): one exp over (T, M), no mask on it."""
+        a, half_norm = self.projections(k), self.half_norms(k)  # (B, H, T, M), (B, H, T)
+        real = keep[:, None, :]
+        peak = (a.amax(dim=-1) - half_norm).masked_fill(~real, float("-inf")).amax(dim=-1, keepdim=True)  # (B, H, 1)
         offset = (half_norm + peak.detach()).masked_fill(~real, float("inf"))  # exp(a - inf) = 0 at padding
-        return torch.exp(a - offset)
+        return torch.exp(a - offset.unsqueeze(-1))
 
     def causal_keys(self, k: torch.Tensor) -> torch.Tensor:
         """phi(k) times a constant of W (B, H, T, M), each <= 1. A max over the sequence would mix future
@@ -370,13 +380,16 @@ class PerformerSelfAttention(HeadedAttention):
 
     def forward(self, x, keep, e=None, f=None):  # e, f: the encoder passes none for this kind
         self.features.redraw_if_due()
-        q, k, v = self.heads(self.q(x)), self.heads(self.k(x)), self.heads(self.v(x))  # (B, H, T, hd)
+        B, T, C = x.shape
+        q, k = self.heads(self.q(x)), self.heads(self.k(x))  # (B, H, T, hd)
         phi_q, phi_k = self.features.queries(q), self.features.keys(k, keep)  # (B, H, T, M)
-        # V with a column of ones: one product gives phi(K)^T V and phi(K)^T 1, a second gives the
-        # numerator phi(Q) (phi(K)^T V) and the diagonal of D
-        v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, H, T, hd + 1)
-        y = phi_q @ (phi_k.transpose(2, 3) @ v1)  # (B, H, T, M) @ (B, H, M, hd + 1)
-        y = y[..., :-1] / y[..., -1:]  # D^-1 phi(Q) (phi(K)^T V): (B, H, T, hd)
+        # V^T with a row of ones: one product gives (phi(K)^T V)^T and phi(K)^T 1. With phi(K) on the right,
+        # ORT multiplies it as stored; phi(K)^T [V 1] made it transpose the (T, M) features per head, and its
+        # hd + 1 = 33 output columns ran below speed. V^T costs the transpose V needs anyway.
+        vt = self.v(x).view(B, T, self.n_heads, C // self.n_heads).permute(0, 2, 3, 1)  # (B, H, hd, T)
+        s = torch.cat([vt, torch.ones_like(vt[:, :, :1])], dim=2) @ phi_k  # (B, H, hd + 1, M)
+        # D^-1 phi(Q) (phi(K)^T V): numerator (B, H, T, hd) over the diagonal of D (B, H, T, 1)
+        y = (phi_q @ s[:, :, :-1].transpose(2, 3)) / (phi_q @ s[:, :, -1].unsqueeze(-1))
         return self.out(merge_heads(y))
 
 

@@ -133,7 +133,25 @@ def test_stabilised_features_stay_usable_where_the_plain_exp_underflows():
     assert (definition(features, q).float().sum(dim=-1) == 0).all()  # D = 0: the plain form divides 0 by 0
     for phi in (features.queries(q), features.keys(q, keep), features.causal_keys(q / 10)):
         assert torch.isfinite(phi).all() and phi.max() <= 1.001  # 1 up to rounding of exponents in the hundreds
-    assert features.queries(q).amax(dim=-1).eq(1.0).all()
+    torch.testing.assert_close(features.queries(q).sum(dim=-1), torch.ones(1, 1, 4))  # a softmax over the features
+
+
+def test_encoder_attention_is_the_quadratic_form_over_real_keys():
+    """D^-1 phi(Q) (phi(K)^T V), however the layer orders its products, equals the definition written
+    out: weights phi(q_t).phi(k_s) over real keys s, rows normalised, times V; padded rows are zero in phi(K)."""
+    torch.manual_seed(0)
+    layer = PerformerSelfAttention(performer()).eval()
+    x = torch.randn(2, 19, BASE["d_model"])
+    keep = torch.ones(2, 19, dtype=torch.bool)
+    keep[1, 11:] = False
+    with torch.no_grad():
+        y = layer(x, keep)
+        q, k, v = layer.heads(layer.q(x)), layer.heads(layer.k(x)), layer.heads(layer.v(x))
+        scores = layer.features.queries(q).double() @ layer.features.keys(k, keep).double().transpose(2, 3)
+        assert (scores[1, :, :, 11:] == 0).all()
+        weights = scores / scores.sum(dim=-1, keepdim=True)  # (B, H, T, T)
+        reference = layer.out((weights.float() @ v).transpose(1, 2).reshape(2, 19, -1))
+    torch.testing.assert_close(y, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_random_features_live_in_the_state_dict_and_fix_the_model():
