@@ -3,6 +3,7 @@
     python -m export classify --checkpoint runs/classify-linformer-k128/best.pt --out models/classify-linformer
     python -m export translate --checkpoint runs/translate-linformer-k64/best.pt --out models/translate-linformer
     python -m export quantize --bundle models/translate-linformer --out models/translate-linformer-int8
+    python -m export ctranslate2 --bundle models/translate-transformer --out .cache/ct2/translate-transformer
 """
 
 from __future__ import annotations
@@ -33,8 +34,17 @@ def main(argv: list[str] | None = None) -> None:
     quantize.add_argument("--bundle", type=Path, required=True, help="fp32 bundle, e.g. models/classify-linformer")
     quantize.add_argument("--out", type=Path, required=True, help="e.g. models/classify-linformer-int8")
     quantize.add_argument("--per-channel", action="store_true", help="one weight scale per output column")
+    peer = sub.add_parser("ctranslate2", help="the same weights as a CTranslate2 model (the benchmark peer)")
+    peer.add_argument("--bundle", type=Path, required=True, help="a vanilla translator: models/translate-transformer")
+    peer.add_argument("--out", type=Path, required=True, help="e.g. .cache/ct2/translate-transformer (not a bundle)")
+    peer.add_argument("--quantization", help="store weights as e.g. int8 (default fp32; int8 can be chosen at load)")
     args = parser.parse_args(argv)
 
+    if args.task == "ctranslate2":  # a bundle in, a CTranslate2 model out: no checkpoint, no torch
+        from export.ctranslate2 import convert
+
+        print(json.dumps({"ctranslate2_model": str(convert(args.bundle, args.out, args.quantization))}))
+        return
     if args.task == "quantize":  # a bundle in, a bundle out: no checkpoint, no torch
         from export.quantize import quantize_bundle
 
