@@ -18,7 +18,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp
 
-from service.batcher import Batcher
+from service.batcher import Batcher, StepBatcher
 from service.bundle import Bundle, BundleError, load_bundle
 from service.config import Settings
 from service.deps import ModelService, ServiceState
@@ -101,8 +101,7 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
             def run_batch(input_ids, attention_mask, _options, _stop_if_abandoned, runner=runner):
                 return runner.run(input_ids, attention_mask)
 
-        batcher = Batcher(
-            run_batch,
+        batching = dict(
             name=bundle.name,
             pad_id=bundle.pad_id,
             max_batch_size=settings.max_batch_size,
@@ -111,6 +110,10 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
             max_queue=settings.max_queued_decode_tokens if task == "translate" else settings.max_queue,
             metrics=metrics,
         )
+        if task == "translate" and settings.translate_scheduling == "step":  # sources join and leave between steps
+            batcher = StepBatcher(runner.live(), **batching)
+        else:
+            batcher = Batcher(run_batch, **batching)
         state.models[task] = ModelService(bundle, tokenizer, batcher, execution_provider=runtime.provider)
         log.info(
             "serving %s: task=%s attention=%s n_max=%d k=%s from %s on %s",

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -57,6 +57,17 @@ class BatchFailed(Exception):
 
 class BatchAbandoned(Exception):
     """Raised by `stop_if_abandoned` inside the runtime: nobody waits for this batch any more."""
+
+
+def pad(sequences: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token id lists -> input_ids and attention_mask (rows, longest), real tokens first."""
+    longest = max(map(len, sequences))
+    input_ids = np.full((len(sequences), longest), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((len(sequences), longest), dtype=np.int64)
+    for row, ids in enumerate(sequences):
+        input_ids[row, : len(ids)] = ids
+        attention_mask[row, : len(ids)] = 1
+    return input_ids, attention_mask
 
 
 @dataclass(eq=False)
@@ -260,12 +271,7 @@ class Batcher:
     def _pad_and_run(
         self, sequences: list[list[int]], options: Hashable, stop_if_abandoned: Callable[[], None]
     ) -> Sequence[Any]:
-        longest = max(map(len, sequences))
-        input_ids = np.full((len(sequences), longest), self.pad_id, dtype=np.int64)
-        attention_mask = np.zeros((len(sequences), longest), dtype=np.int64)
-        for row, ids in enumerate(sequences):
-            input_ids[row, : len(ids)] = ids
-            attention_mask[row, : len(ids)] = 1
+        input_ids, attention_mask = pad(sequences, self.pad_id)
         started = time.perf_counter()
         outputs = self.run_batch(input_ids, attention_mask, options, stop_if_abandoned)
         if self.metrics:
@@ -286,3 +292,163 @@ class Batcher:
     def _count_dropped(self, reason: str, texts: int = 1) -> None:
         if self.metrics:
             self.metrics.dropped.labels(self.name, reason).inc(texts)
+
+
+class LiveDecoding(Protocol):
+    """What StepBatcher drives (service/runtime.py's LiveDecode): sources named by the caller's keys."""
+
+    rows: int  # cache rows live now (beams count)
+    cache_tokens: int  # positions their caches hold (source + target so far, per row)
+
+    def rows_for(self, options: Hashable) -> int: ...
+
+    def admit(self, input_ids: np.ndarray, attention_mask: np.ndarray, sources: list[tuple[Hashable, Any]]) -> None: ...
+
+    def step(self) -> tuple[dict[Hashable, Any], dict[Hashable, Exception]]: ...
+
+    def drop(self, keys: set) -> None: ...
+
+
+class StepBatcher(Batcher):
+    """Step-level (continuous) batching for a runtime that decodes token by token (translation).
+
+    The request side is Batcher's: the same queue bounded by cost (QueueFull, Retry-After), deadlines and
+    dropping of queued items whose client went away. The worker differs: instead of decoding a batch of
+    whole requests until its last sentence ends, it runs one decoder step over every live source at a time
+    and, between steps, (1) drops each live source whose request is gone or past its deadline (the per-source
+    form of `stop_if_abandoned`), (2) admits queued sources, oldest first, while the live sources stay within
+    `max_batch_size` texts and `max_batch_tokens` cache positions (rows x (source + target so far): what the
+    next steps will read), and (3) answers each source whose search ended at once. Sources with any options
+    share the steps (each keeps its own beam size and length limit); a request's beams join and leave
+    together. When nothing is live, the oldest queued source may wait `max_wait_s` for companions, as in
+    Batcher. A runtime error fails the sources it hit (BatchFailed), not the others.
+    """
+
+    def __init__(self, live: LiveDecoding, **batcher_settings: Any):
+        super().__init__(self._no_whole_batches, **batcher_settings)
+        self.live = live
+        self._live_items: list[_Item] = []  # admission order
+        self._cost_done = 0  # cost of the sources answered since the last throughput update
+        self._busy_s = 0.0  # compute time since then
+
+    @staticmethod
+    def _no_whole_batches(*_args: Any) -> Sequence[Any]:
+        raise NotImplementedError("StepBatcher decodes step by step through `live`, never whole batches")
+
+    @property
+    def live_depth(self) -> int:
+        return len(self._live_items)
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._drop_finished()
+            leaving = self._leaving_live()
+            if not self._queue and not self._live_items and not leaving:
+                if self._closing:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            if self._queue and not self._live_items and not self._closing:
+                wait_left = self._queue[0].enqueued_at + self.max_wait_s - time.monotonic()
+                if wait_left > 0 and not self._plan_admission()[1]:
+                    self._wakeup.clear()  # no await since planning: an arrival cannot slip between
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), wait_left)
+                    except TimeoutError:
+                        pass
+                    continue
+            joining, _ = self._plan_admission()
+            if joining:
+                taken = set(map(id, joining))
+                self._queue = [item for item in self._queue if id(item) not in taken]
+                self._set_depth()
+                self._live_items += joining
+                if self.metrics:
+                    now = time.monotonic()
+                    for item in joining:
+                        self.metrics.queue_wait.labels(self.name).observe(now - item.enqueued_at)
+            started = time.monotonic()
+            finished, failed = await loop.run_in_executor(self._executor, self._advance, joining, leaving)
+            self._busy_s += time.monotonic() - started
+            self._answer(finished, failed)
+
+    def _leaving_live(self) -> set:
+        """Live sources nobody waits for any more: their client went away or their deadline passed."""
+        now = time.monotonic()
+        leaving = set()
+        for item in self._live_items:
+            if item.future.done():
+                leaving.add(item)
+            elif item.deadline <= now:
+                item.future.set_exception(DeadlineExceeded())
+                leaving.add(item)
+        if leaving:
+            self._live_items = [item for item in self._live_items if item not in leaving]
+            self._count_dropped("abandoned", len(leaving))
+        return leaving
+
+    def _plan_admission(self) -> tuple[list[_Item], bool]:
+        """The oldest queued sources that fit beside the live ones; `full` if the next one does not fit.
+
+        Arrival order, no skipping: a big source at the head waits for room rather than being overtaken
+        forever. A source that fits nothing (longer than the whole budget) still runs when nothing else is live.
+        """
+        texts, rows, tokens = len(self._live_items), self.live.rows, self.live.cache_tokens
+        joining: list[_Item] = []
+        joining_rows, longest = 0, 0
+        for item in self._queue:
+            if texts + len(joining) == self.max_batch_size:
+                return joining, True
+            item_rows = self.live.rows_for(item.options)
+            new_longest = max(longest, item.length)
+            # the cohort's cross keys are padded to its longest source; one self-attention position each
+            cohort_tokens = (joining_rows + item_rows) * (new_longest + 1)
+            if tokens + cohort_tokens > self.max_batch_tokens and (rows or joining):
+                return joining, True
+            joining.append(item)
+            joining_rows, longest = joining_rows + item_rows, new_longest
+        return joining, False
+
+    def _advance(self, joining: list[_Item], leaving: set) -> tuple[dict, dict]:
+        """Compute thread: the leaving sources go, the joining ones are encoded, then one step for all."""
+        if leaving:
+            self.live.drop(leaving)
+        failed: dict[Hashable, Exception] = {}
+        if joining:
+            started = time.perf_counter()
+            sequences = [item.ids for item in joining]
+            try:
+                self.live.admit(*pad(sequences, self.pad_id), [(item, item.options) for item in joining])
+            except Exception as error:  # the encoder failed on these sources: only they fail
+                failed.update((item, error) for item in joining)
+            if self.metrics:
+                self.metrics.observe_batch(
+                    self.name, size=len(joining), real_tokens=sum(map(len, sequences)),
+                    padded_tokens=len(joining) * max(map(len, sequences)), inference_s=time.perf_counter() - started,
+                )  # fmt: skip
+        if not self.live.rows:
+            return {}, failed
+        finished, step_failed = self.live.step()
+        return finished, failed | step_failed
+
+    def _answer(self, finished: dict, failed: dict) -> None:
+        if failed:
+            log.error("model=%s decoding failed for %d source(s)", self.name, len(failed),
+                      exc_info=next(iter(failed.values())))  # fmt: skip
+        gone = set(finished) | set(failed)
+        if not gone:
+            return
+        self._live_items = [item for item in self._live_items if item not in gone]
+        for item, output in finished.items():
+            self._cost_done += item.cost
+            if not item.future.done():
+                item.future.set_result(output)
+        for item in failed:
+            if not item.future.done():
+                item.future.set_exception(BatchFailed())
+        if finished and self._busy_s > 0:
+            rate = self._cost_done / self._busy_s
+            self._cost_per_s = rate if self._cost_per_s == 0 else 0.8 * self._cost_per_s + 0.2 * rate
+            self._cost_done, self._busy_s = 0, 0.0

@@ -32,6 +32,11 @@ class Settings(BaseSettings):
     # One /translate request may ask for at most this much decode work (texts x beam_size x max_new_tokens,
     # max_new_tokens capped at the bundle's target length); more -> 413 naming the limit.
     max_decode_tokens_per_request: int = Field(16384, ge=1)
+    # How /translate schedules decoding (policy in service/batcher.py). "step": continuous batching, new
+    # sources join the decode loop between decoder steps and finished ones answer at once; "request": a batch
+    # of whole requests decodes until its last sentence ends while later arrivals wait (the behaviour before
+    # step-level batching, kept so benchmarks can compare the two).
+    translate_scheduling: Literal["step", "request"] = "request"
     # deadline for an answer, queue wait and compute: queued texts past it are not computed, and a
     # translation batch whose requests are all gone or past it stops decoding
     request_timeout_s: float = Field(30.0, gt=0)

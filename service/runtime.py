@@ -3,8 +3,9 @@
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -105,14 +106,14 @@ def _length_penalty(length: int, alpha: float) -> float:
 
 
 class TranslatorRuntime:
-    """encoder.onnx once per batch of sources, then decoder.onnx one token at a time with its key/value cache.
+    """encoder.onnx once per source, then decoder.onnx one token at a time with its key/value cache.
 
     `run(input_ids, attention_mask, (beam_size, max_new_tokens), between_steps)` -> one list of target token
-    ids per row (no BOS/EOS). `between_steps` is called before each decoder step; it raises to stop the
-    batch (the batcher's does when nobody waits for the answers any more). A finished sentence leaves the
-    batch: its rows are dropped from the cache and the cross keys, so later steps compute only what is still
-    being translated. The searches are the same as
-    training/decode.py (greedy; beam search with GNMT length penalty, fairseq's finishing rule).
+    ids per row (no BOS/EOS): a batch of whole requests decoded until its last sentence ends. `between_steps`
+    is called before each decoder step; it raises to stop the batch (the batcher's does when nobody waits for
+    the answers any more). `live()` gives the step-level form of the same decoding: a `LiveDecode` that sources
+    join and leave between steps (service/batcher.py's StepBatcher decides who and when). The searches are the
+    same as training/decode.py (greedy; beam search with GNMT length penalty, fairseq's finishing rule).
     """
 
     def __init__(
@@ -140,108 +141,212 @@ class TranslatorRuntime:
     def provider(self) -> str:
         return self.decoder.get_providers()[0]
 
+    def live(self) -> "LiveDecode":
+        return LiveDecode(self)
+
     def run(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, options,
         between_steps: Callable[[], None] | None = None,
     ) -> list[list[int]]:
-        beam_size, max_new_tokens = options
-        max_new_tokens = min(max_new_tokens, self.tgt_n_max)
         between_steps = between_steps or (lambda: None)
-        cross = self.encoder.run(self.cross_names, {"input_ids": input_ids, "attention_mask": attention_mask})
+        live = LiveDecode(self)
         try:
-            if beam_size == 1:
-                return self.greedy(cross, max_new_tokens, between_steps)
-            beams = [np.repeat(t, beam_size, axis=0) for t in cross]
-            return self.beam_search(beams, beam_size, max_new_tokens, between_steps)
+            live.admit(input_ids, attention_mask, [(row, options) for row in range(len(input_ids))])
+            outputs: dict[Hashable, list[int]] = {}
+            while live.rows:
+                between_steps()
+                finished, failed = live.step()
+                for error in failed.values():
+                    raise error
+                outputs.update(finished)
+            return [outputs[row] for row in range(len(input_ids))]
         finally:
-            del cross
+            del live
             _return_freed_memory()  # a decode allocates per step; trimming costs ~1 ms against tens of ms
 
-    def _step(self, tokens: np.ndarray, cross: list[np.ndarray], past: list[np.ndarray]):
-        """(rows, 1) new tokens -> log-probabilities of the next token (rows, V) and the grown cache."""
+    def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> list[np.ndarray]:
+        """Padded sources -> cross keys/values per decoder layer (rows, H, S', hd) and cross_mask (rows, S')."""
+        return self.encoder.run(self.cross_names, {"input_ids": input_ids, "attention_mask": attention_mask})
+
+    def step(self, tokens: np.ndarray, cross: list[np.ndarray], past: list[np.ndarray]):
+        """(rows, 1) new tokens -> logits of the next token (rows, V) and the grown cache. Every row's cache
+        must have the same length: the decoder places the new tokens at the cache's length."""
         feeds = {"input_ids": tokens, **dict(zip(self.cross_names, cross, strict=True))}
         feeds.update(zip(self.past_names, past, strict=True))
         logits, *presents = self.decoder.run(["logits", *self.present_names], feeds)
         return logits[:, -1], presents
 
-    def _empty_cache(self, rows: int) -> list[np.ndarray]:
+    def empty_cache(self, rows: int) -> list[np.ndarray]:
         return [np.zeros((rows, self.n_heads, 0, self.head_dim), np.float32) for _ in self.past_names]
 
-    def greedy(
-        self, cross: list[np.ndarray], max_new_tokens: int, between_steps: Callable[[], None] = lambda: None
-    ) -> list[list[int]]:
-        B = cross[0].shape[0]
-        outputs: list[list[int]] = [[] for _ in range(B)]
-        live = np.arange(B)  # sentence of each row still in the batch
-        tokens = np.full((B, 1), self.bos_id, dtype=np.int64)
-        past = self._empty_cache(B)
-        for step in range(max_new_tokens):
-            between_steps()
-            logits, past = self._step(tokens, cross, past)
-            next_tokens = logits.argmax(axis=-1)
-            for row, token in zip(live.tolist(), next_tokens.tolist(), strict=True):
-                if token != self.eos_id:
-                    outputs[row].append(token)
-            going = next_tokens != self.eos_id
-            if step == max_new_tokens - 1 or not going.any():
-                break
-            if not going.all():
-                cross, past = [t[going] for t in cross], [t[going] for t in past]
-                live, next_tokens = live[going], next_tokens[going]
-            tokens = next_tokens[:, None].astype(np.int64)
-        return outputs
 
-    def beam_search(
-        self, cross: list[np.ndarray], beam: int, max_new_tokens: int,
-        between_steps: Callable[[], None] = lambda: None,
-    ) -> list[list[int]]:
-        B = cross[0].shape[0] // beam
-        live = list(range(B))  # sentence of each block of `beam` rows
-        scores = np.zeros((B, beam), np.float32)
-        scores[:, 1:] = -np.inf  # all beams start as the same BOS: only the first may expand
-        history = np.zeros((B * beam, 0), dtype=np.int64)
-        finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
-        tokens = np.full((B * beam, 1), self.bos_id, dtype=np.int64)
-        past = self._empty_cache(B * beam)
-        for step in range(max_new_tokens):
-            between_steps()
-            logits, past = self._step(tokens, cross, past)
-            vocab = logits.shape[-1]
-            candidates = (scores[:, :, None] + _log_softmax(logits).reshape(len(live), beam, vocab)).reshape(
-                len(live), -1
-            )
-            top = np.argpartition(-candidates, 2 * beam, axis=1)[:, : 2 * beam]
-            top = np.take_along_axis(top, np.argsort(-np.take_along_axis(candidates, top, 1), 1, kind="stable"), 1)
-            at_limit = step == max_new_tokens - 1
-            kept, next_rows, next_tokens, next_scores = [], [], [], []
-            for block, sentence in enumerate(live):
-                chosen = []
-                for rank, index in enumerate(top[block].tolist()):
-                    score = float(candidates[block, index])
-                    source_beam, token = divmod(index, vocab)
-                    row = block * beam + source_beam
-                    if token == self.eos_id:
-                        if rank < beam:
-                            hypothesis = history[row].tolist()
-                            finished[sentence].append((score / _length_penalty(step + 1, self.alpha), hypothesis))
-                    elif len(chosen) < beam:
-                        chosen.append((row, token, score))
-                if at_limit:  # out of length: the live beams end here, as they are
-                    for row, token, score in chosen:
-                        hypothesis = history[row].tolist() + [token]
-                        finished[sentence].append((score / _length_penalty(step + 1, self.alpha), hypothesis))
-                if len(finished[sentence]) >= beam or at_limit:
-                    continue
-                kept.append(sentence)
-                next_rows += [row for row, _, _ in chosen]
-                next_tokens += [token for _, token, _ in chosen]
-                next_scores += [score for _, _, score in chosen]
-            if not kept:
-                break
-            rows = np.array(next_rows)
-            cross, past = [t[rows] for t in cross], [t[rows] for t in past]
-            history = np.concatenate([history[rows], np.array(next_tokens, dtype=np.int64)[:, None]], axis=1)
-            scores = np.array(next_scores, np.float32).reshape(len(kept), beam)
-            tokens = history[:, -1:]
-            live = kept
-        return [max(hypotheses, key=lambda h: h[0])[1] for hypotheses in finished]
+class _Search:
+    """One source's search: greedy (beam 1) or beam search over its `beam` consecutive rows of a cohort."""
+
+    def __init__(self, key: Hashable, beam: int, max_new_tokens: int, eos_id: int, alpha: float):
+        self.key, self.beam, self.max_new_tokens, self.eos_id, self.alpha = key, beam, max_new_tokens, eos_id, alpha
+        self.scores = np.zeros((1, beam), np.float32)
+        self.scores[:, 1:] = -np.inf  # all beams start as the same BOS: only the first may expand
+        self.generated: list[int] = []  # greedy: the tokens so far
+        self.history = np.zeros((beam, 0), dtype=np.int64)  # beam search: tokens of each row so far
+        self.finished: list[tuple[float, list[int]]] = []
+        self.output: list[int] | None = None  # set when the search ends
+
+    def advance(self, logits: np.ndarray, log_probs: np.ndarray | None, step: int) -> tuple[list[int], list[int]]:
+        """This source's rows' next-token logits (beam, V) at `step` -> (rows to keep, their next tokens), both
+        empty once the search has ended (then `output` holds the result)."""
+        at_limit = step == self.max_new_tokens - 1
+        if self.beam == 1:
+            token = int(logits[0].argmax())
+            if token != self.eos_id:
+                self.generated.append(token)
+            if token == self.eos_id or at_limit:
+                self.output = self.generated
+                return [], []
+            return [0], [token]
+        beam, vocab = self.beam, logits.shape[-1]
+        candidates = (self.scores[:, :, None] + log_probs.reshape(1, beam, vocab)).reshape(1, -1)
+        top = np.argpartition(-candidates, 2 * beam, axis=1)[:, : 2 * beam]
+        top = np.take_along_axis(top, np.argsort(-np.take_along_axis(candidates, top, 1), 1, kind="stable"), 1)
+        chosen = []
+        for rank, index in enumerate(top[0].tolist()):
+            score = float(candidates[0, index])
+            row, token = divmod(index, vocab)
+            if token == self.eos_id:
+                if rank < beam:
+                    self.finished.append((score / _length_penalty(step + 1, self.alpha), self.history[row].tolist()))
+            elif len(chosen) < beam:
+                chosen.append((row, token, score))
+        if at_limit:  # out of length: the live beams end here, as they are
+            for row, token, score in chosen:
+                hypothesis = self.history[row].tolist() + [token]
+                self.finished.append((score / _length_penalty(step + 1, self.alpha), hypothesis))
+        if len(self.finished) >= beam or at_limit:
+            self.output = max(self.finished, key=lambda h: h[0])[1]
+            return [], []
+        rows = [row for row, _, _ in chosen]
+        tokens = [token for _, token, _ in chosen]
+        self.history = np.concatenate([self.history[rows], np.array(tokens, dtype=np.int64)[:, None]], axis=1)
+        self.scores = np.array([[score for _, _, score in chosen]], np.float32)
+        return rows, tokens
+
+
+class _Cohort:
+    """Sources that joined together, so their caches have one length: one decoder call per step covers them.
+
+    The exported decoder places new tokens at the cache's length and has no mask over cached positions, so
+    rows of different lengths cannot share a call without changing the bundle; rows of one cohort can."""
+
+    def __init__(self, cross: list[np.ndarray], past: list[np.ndarray], tokens: np.ndarray, searches: list[_Search]):
+        self.cross, self.past, self.tokens, self.searches = cross, past, tokens, searches
+        self.step = 0  # tokens decoded so far = the self-attention cache's length
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def cache_tokens(self) -> int:
+        """Positions held for these rows: the (padded) source's cross keys and the target so far."""
+        return self.rows * (self.cross[0].shape[2] + self.step)
+
+    def keep(self, rows: list[int], tokens: list[int]) -> None:
+        """Carry on with these rows (indices into the current ones, in order) and their next tokens."""
+        if len(rows) != self.rows or rows != list(range(self.rows)):
+            self.cross = [t[rows] for t in self.cross]
+            self.past = [t[rows] for t in self.past]
+        self.tokens = np.array(tokens, dtype=np.int64).reshape(-1, 1)
+
+
+class LiveDecode:
+    """The sources being decoded, step by step: they join (`admit`), advance one token per `step` and leave
+    when their search ends (returned by `step`) or when told to (`drop`). Sources are named by keys the caller
+    chooses. Mechanics only: who joins and when is the caller's policy. Not thread-safe: one thread drives it.
+    """
+
+    def __init__(self, runtime: TranslatorRuntime):
+        self.runtime = runtime
+        self.cohorts: list[_Cohort] = []
+
+    @staticmethod
+    def rows_for(options) -> int:
+        """Cache rows a source with these options takes: one per beam."""
+        beam_size, _ = options
+        return beam_size
+
+    @property
+    def rows(self) -> int:
+        return sum(cohort.rows for cohort in self.cohorts)
+
+    @property
+    def cache_tokens(self) -> int:
+        return sum(cohort.cache_tokens for cohort in self.cohorts)
+
+    def admit(self, input_ids: np.ndarray, attention_mask: np.ndarray, sources: list[tuple[Hashable, Any]]) -> None:
+        """Encode these padded sources (one (key, (beam_size, max_new_tokens)) per row) and add them as a cohort:
+        their cross keys/values, one empty self-attention cache row and a BOS per beam."""
+        rt = self.runtime
+        cross = rt.encode(input_ids, attention_mask)
+        beams = np.array([self.rows_for(options) for _, options in sources])
+        if (beams != 1).any():
+            cross = [np.repeat(t, beams, axis=0) for t in cross]
+        searches = [
+            _Search(key, beam, min(max_new_tokens, rt.tgt_n_max), rt.eos_id, rt.alpha)
+            for key, (beam, max_new_tokens) in sources
+        ]
+        rows = int(beams.sum())
+        tokens = np.full((rows, 1), rt.bos_id, dtype=np.int64)
+        self.cohorts.append(_Cohort(cross, rt.empty_cache(rows), tokens, searches))
+
+    def step(self) -> tuple[dict[Hashable, list[int]], dict[Hashable, Exception]]:
+        """One decoder call per cohort -> (sources whose search ended: their tokens, sources whose cohort's
+        decoder call raised: the error). Both kinds have left."""
+        finished: dict[Hashable, list[int]] = {}
+        failed: dict[Hashable, Exception] = {}
+        for cohort in list(self.cohorts):
+            try:
+                finished.update(self._step_cohort(cohort))
+            except Exception as error:  # only this cohort's sources fail; the others carry on
+                failed.update((search.key, error) for search in cohort.searches)
+                self.cohorts.remove(cohort)
+        return finished, failed
+
+    def _step_cohort(self, cohort: _Cohort) -> dict[Hashable, list[int]]:
+        logits, cohort.past = self.runtime.step(cohort.tokens, cohort.cross, cohort.past)
+        log_probs = _log_softmax(logits) if any(search.beam > 1 for search in cohort.searches) else None
+        finished, going, rows, tokens, start = {}, [], [], [], 0
+        for search in cohort.searches:
+            end = start + search.beam
+            kept, next_tokens = search.advance(logits[start:end], None if log_probs is None else log_probs[start:end],
+                                               cohort.step)  # fmt: skip
+            if search.output is not None:
+                finished[search.key] = search.output
+            else:
+                going.append(search)
+                rows += [start + row for row in kept]
+                tokens += next_tokens
+            start = end
+        cohort.step += 1
+        if going:
+            cohort.searches = going
+            cohort.keep(rows, tokens)
+        else:
+            self.cohorts.remove(cohort)
+        return finished
+
+    def drop(self, keys: set) -> None:
+        """These sources leave now (their requests are gone): their rows leave the cache."""
+        for cohort in list(self.cohorts):
+            if not any(search.key in keys for search in cohort.searches):
+                continue
+            rows, going, start = [], [], 0
+            for search in cohort.searches:
+                if search.key not in keys:
+                    going.append(search)
+                    rows += range(start, start + search.beam)
+                start += search.beam
+            if not going:
+                self.cohorts.remove(cohort)
+                continue
+            cohort.searches = going
+            cohort.keep(rows, cohort.tokens[rows, 0].tolist())
