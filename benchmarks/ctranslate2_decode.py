@@ -110,8 +110,8 @@ def quality(decoders: dict, ids: list[list[int]], references: list[str], tokeniz
         rows.append({"variant": variant, "sentences": len(ids),
                      "identical_to_ours_fp32": identical(found, outputs["ours fp32"]),
                      "identical_to_ours_int8": identical(found, outputs["ours int8"]),
-                     "bleu": round(bleu.corpus_score(hypotheses, [references]).score, 2),
-                     "chrf": round(chrf.corpus_score(hypotheses, [references]).score, 2),
+                     "bleu": f"{bleu.corpus_score(hypotheses, [references]).score:.2f}",
+                     "chrf": f"{chrf.corpus_score(hypotheses, [references]).score:.2f}",
                      "seconds": round(seconds[variant], 1), "signature": str(bleu.get_signature())})  # fmt: skip
         print(rows[-1], flush=True)
     return rows

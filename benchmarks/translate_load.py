@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in args.lengths:  # cut (and cache) the texts before any timing
         texts_of_length("translate", n)
     load_before = load_average()
-    log_dir = args.out.parent / f"{args.out.name}-logs"
+    log_dir = REPO / ".cache" / f"{args.out.name}-logs"  # server logs: not results
     log_dir.mkdir(parents=True, exist_ok=True)
     servers = {}
     try:
