@@ -45,7 +45,7 @@ from loadtest.texts import texts_of_length, translate_max_new_tokens  # noqa: E4
 LENGTHS = (8, 16, 32, 64, 128, 256)
 SHORT = 32  # the issue's short requests: at most 32 source tokens
 SERVER_CORE, LOAD_CORE = "1", {0}
-BUNDLE = "translate-transformer"  # the one vanilla translator both engines can run
+BUNDLE = "translate-transformer"  # the default: the one vanilla translator both engines can run
 
 
 @dataclass
@@ -57,13 +57,13 @@ class Record:
     tokens: int  # generated tokens in the reply
 
 
-def start(deployment: str, models_dir: Path, log_dir: Path):
+def start(deployment: str, models_dir: Path, log_dir: Path, fp32_bundle: str = BUNDLE):
     """Start one deployment pinned to SERVER_CORE; returns (port, stop())."""
     port = free_port()
     log = log_dir / f"server-{deployment}.log"
     parts = deployment.split("-")
     precision = parts[-1]
-    bundle = BUNDLE if precision == "fp32" else f"{BUNDLE}-int8"
+    bundle = fp32_bundle if precision == "fp32" else f"{fp32_bundle}-int8"
     if parts[0] == "ours":
         env = {"LINFORMER_MODELS_DIR": str(models_dir), "LINFORMER_TRANSLATE_MODEL": bundle,
                "LINFORMER_CLASSIFY_MODEL": "", "LINFORMER_TRANSLATE_SCHEDULING": parts[1],
@@ -73,7 +73,7 @@ def start(deployment: str, models_dir: Path, log_dir: Path):
         return port, server.stop
     compute_type = {"fp32": "float32", "int8": "int8"}[precision]
     command = ["taskset", "-c", SERVER_CORE, sys.executable, "-m", "benchmarks.ctranslate2_server",
-               "--bundle", str(models_dir / BUNDLE), "--compute-type", compute_type, "--threads", "1",
+               "--bundle", str(models_dir / fp32_bundle), "--compute-type", compute_type, "--threads", "1",
                "--port", str(port)]  # fmt: skip
     out = open(log, "w")  # noqa: SIM115  (closed by stop)
     proc = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=float, default=3, help="seconds of unrecorded load before each run")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), type=lambda s: tuple(map(int, s.split(","))))
     parser.add_argument("--models-dir", type=Path, default=REPO / "models")
+    parser.add_argument("--bundle", default=BUNDLE, help="fp32 bundle; int8: <bundle>-int8 (ct2: vanilla only)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "translate-load")
     args = parser.parse_args(argv)
     check_scheduling_is_served(args.deployments)
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     servers = {}
     try:
         for deployment in args.deployments:
-            servers[deployment] = start(deployment, args.models_dir.resolve(), log_dir)
+            servers[deployment] = start(deployment, args.models_dir.resolve(), log_dir, args.bundle)
         pin_to(LOAD_CORE)
         rows, buckets = [], []
         for u, users in enumerate(args.users):
@@ -297,8 +298,8 @@ def main(argv: list[str] | None = None) -> None:
                    ("onnxruntime", "ctranslate2", "fastapi", "uvicorn"), load_before)  # fmt: skip
     lines += [
         f"Deployments: {', '.join(args.deployments)}; each its own server process pinned to core {SERVER_CORE} with "
-        f"1 thread, the load on core {sorted(LOAD_CORE)[0]}; model `{BUNDLE}` (int8: `{BUNDLE}-int8` for ours, "
-        "compute_type int8 for CTranslate2 on the fp32 weights); our service at its default batching limits.",
+        f"1 thread, the load on core {sorted(LOAD_CORE)[0]}; model `{args.bundle}` (int8: `{args.bundle}-int8` for "
+        "ours, compute_type int8 for CTranslate2 on the fp32 weights); our service at its default batching limits.",
         f"Load: closed loop, {args.duration:g} s per (deployment, users), users {args.users}; source lengths "
         f"{list(args.lengths)} tokens drawn uniformly per request (seeded per user: every deployment gets the same "
         "sequence), greedy, max_new_tokens = 2n + 8; one text per request. Short = at most "
