@@ -42,7 +42,7 @@ class CTranslate2Runtime:
     def __init__(self, bundle: Bundle, compute_type: str = "float32", threads: int = 1, model_dir: Path | None = None):
         import ctranslate2
 
-        from export.ctranslate2 import convert
+        from export.ctranslate2 import convert, vocabulary
 
         model_dir = model_dir or CONVERTED / bundle.name
         if not (model_dir / "model.bin").exists():
@@ -52,14 +52,15 @@ class CTranslate2Runtime:
         # our one decoding loop
         self.translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type=compute_type,
                                                  intra_threads=threads, inter_threads=1)  # fmt: skip
-        from export.ctranslate2 import vocabulary
-
         self.pieces = vocabulary(bundle.tokenizer_path)  # id -> piece, as registered in the converted model
         self.ids = {piece: i for i, piece in enumerate(self.pieces)}
         self.eos_id, self.tgt_n_max = bundle.eos_id, bundle.config["tgt_n_max"]
 
     def translate_ids(self, sources: list[list[int]], beam_size: int = 1, max_new_tokens: int = 256) -> list[list[int]]:
-        """Source ids ending in EOS (CTranslate2 adds its own `</s>`: add_source_eos) -> target ids."""
+        """Source ids ending in EOS (CTranslate2 adds its own `</s>`: add_source_eos) -> target ids.
+
+        Greedy equals ours token for token; beam search uses CTranslate2's own length normalisation (its
+        default), not our GNMT penalty, as its users would run it, so beam outputs may differ."""
         batch = [[self.pieces[i] for i in (ids[:-1] if ids and ids[-1] == self.eos_id else ids)] for ids in sources]
         results = self.translator.translate_batch(
             batch, beam_size=beam_size, max_decoding_length=min(max_new_tokens, self.tgt_n_max),
