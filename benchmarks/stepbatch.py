@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.loadgen import Connection, Server, free_port, percentile, pin_to, post_request  # noqa: E402
 from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
 from loadtest.texts import texts_of_length, translate_max_new_tokens  # noqa: E402
+from service.config import Settings  # noqa: E402
 
 SHORT = 32  # source tokens: the "short requests"
 SCHEDULINGS = ("step", "request")
@@ -150,6 +151,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--stem", default="stepbatch")
+    parser.add_argument("--schedulings", default=",".join(SCHEDULINGS), help="for trial runs: e.g. only step")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     users = [int(u) for u in args.users.split(",")]
@@ -157,7 +159,8 @@ def main() -> None:
     bodies = request_bodies(lengths)
     rows, raw, tokens = [], {}, None
     for round_ in range(args.rounds):
-        order = SCHEDULINGS if round_ % 2 == 0 else SCHEDULINGS[::-1]
+        chosen = [s for s in SCHEDULINGS if s in args.schedulings.split(",")]
+        order = chosen if round_ % 2 == 0 else chosen[::-1]
         for scheduling in order:
             env = {"LINFORMER_TRANSLATE_MODEL": args.bundle, "LINFORMER_CLASSIFY_MODEL": "",
                    "LINFORMER_TRANSLATE_SCHEDULING": scheduling, "LINFORMER_ORT_INTRA_OP_THREADS": "1",
@@ -178,6 +181,8 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
             finally:
                 server.stop()
+    if len(chosen) < len(SCHEDULINGS):
+        return  # a trial: the per-run lines above are the result
     summary = [pooled(rows, s, u, raw) for s in SCHEDULINGS for u in users]
     by = {(r["scheduling"], r["users"]): r for r in summary}
     top = max(users)
@@ -196,7 +201,9 @@ def main() -> None:
         f"Bundle {args.bundle}; source lengths {lengths} tokens in turn per client, greedy, max_new_tokens = 2n + 8; "
         f"{args.rounds} round(s) of {args.seconds:g} s per (scheduling, users), schedulings alternating in order; "
         "server pinned to core 1 with 1 ORT thread, this load generator on core 0; other settings at their "
-        f"defaults. Generated tokens per text (warm-up, same under both): {sum(tokens)} over {len(tokens)} texts.",
+        f"defaults (step: LINFORMER_TRANSLATE_STEP_ALL_EVERY={Settings().translate_step_all_every}). Texts: "
+        f"LOADTEST_TRANSLATE_DATA={os.environ.get('LOADTEST_TRANSLATE_DATA', '(committed loadtest/data)')}. "
+        f"Generated tokens per text (warm-up, same under both): {sum(tokens)} over {len(tokens)} texts.",
         "",
         *markdown_table(summary, {"scheduling": "scheduling", "users": "users", "rounds": "rounds",
                                   "tokens_per_s": "generated tokens/s", "requests_per_s": "requests/s",

@@ -14,6 +14,9 @@ follows the work asked for rather than the request count; Retry-After is the que
 recent throughput in cost per second. A runtime error fails only its batch's requests (BatchFailed).
 The runtime call runs in a worker thread, off the event loop.
 
+StepBatcher (at the end) keeps this request side but schedules a step-by-step runtime at every decoder step
+(continuous batching): sources join and leave between steps instead of batches of whole requests.
+
 The batcher knows nothing about the task: `run_batch(input_ids, attention_mask, options,
 stop_if_abandoned)` returns one output per row. Items are only batched with items of equal `options`
 (e.g. a translation request's beam size), so a translation runtime plugs in without changing this file.
@@ -299,12 +302,13 @@ class LiveDecoding(Protocol):
 
     rows: int  # cache rows live now (beams count)
     cache_tokens: int  # positions their caches hold (source + target so far, per row)
+    lengths: list[int]  # distinct target lengths of the live rows, shortest first: one decoder call each
 
     def rows_for(self, options: Hashable) -> int: ...
 
     def admit(self, input_ids: np.ndarray, attention_mask: np.ndarray, sources: list[tuple[Hashable, Any]]) -> None: ...
 
-    def step(self) -> tuple[dict[Hashable, Any], dict[Hashable, Exception]]: ...
+    def step(self, lengths: list[int]) -> tuple[dict[Hashable, Any], dict[Hashable, Exception]]: ...
 
     def drop(self, keys: set) -> None: ...
 
@@ -314,19 +318,26 @@ class StepBatcher(Batcher):
 
     The request side is Batcher's: the same queue bounded by cost (QueueFull, Retry-After), deadlines and
     dropping of queued items whose client went away. The worker differs: instead of decoding a batch of
-    whole requests until its last sentence ends, it runs one decoder step over every live source at a time
-    and, between steps, (1) drops each live source whose request is gone or past its deadline (the per-source
-    form of `stop_if_abandoned`), (2) admits queued sources, oldest first, while the live sources stay within
+    whole requests until its last sentence ends, it runs decoder steps over the live sources and, between
+    steps, (1) drops each live source whose request is gone or past its deadline (the per-source form of
+    `stop_if_abandoned`), (2) admits queued sources, oldest first, while the live sources stay within
     `max_batch_size` texts and `max_batch_tokens` cache positions (rows x (source + target so far): what the
     next steps will read), and (3) answers each source whose search ended at once. Sources with any options
     share the steps (each keeps its own beam size and length limit); a request's beams join and leave
     together. When nothing is live, the oldest queued source may wait `max_wait_s` for companions, as in
     Batcher. A runtime error fails the sources it hit (BatchFailed), not the others.
+
+    Which rows step: the runtime needs one decoder call per distinct decoded length, and rows reaching the
+    same length merge into one call. So a step advances only the rows that have decoded the fewest tokens:
+    newcomers catch up with older rows and share their call instead of adding a call per arrival. Every
+    `step_all_every`-th step advances all rows, so older rows are slowed, never starved (1: all rows always).
     """
 
-    def __init__(self, live: LiveDecoding, **batcher_settings: Any):
+    def __init__(self, live: LiveDecoding, *, step_all_every: int = 1, **batcher_settings: Any):
         super().__init__(self._no_whole_batches, **batcher_settings)
         self.live = live
+        self.step_all_every = step_all_every
+        self._steps = 0  # decoder steps run so far
         self._live_items: list[_Item] = []  # admission order
         self._cost_done = 0  # cost of the sources answered since the last throughput update
         self._busy_s = 0.0  # compute time since then
@@ -370,8 +381,13 @@ class StepBatcher(Batcher):
                     for item in joining:
                         self.metrics.queue_wait.labels(self.name).observe(now - item.enqueued_at)
             started = time.monotonic()
-            finished, failed = await loop.run_in_executor(self._executor, self._advance, joining, leaving)
+            try:
+                finished, failed = await loop.run_in_executor(self._executor, self._advance, joining, leaving)
+            except Exception as error:  # a fault outside any one decoder call: nothing live can be trusted
+                finished, failed = {}, dict.fromkeys(self._live_items, error)
+                self.live.drop(set(self._live_items))
             self._busy_s += time.monotonic() - started
+            self._steps += 1
             self._answer(finished, failed)
 
     def _leaving_live(self) -> set:
@@ -412,7 +428,7 @@ class StepBatcher(Batcher):
         return joining, False
 
     def _advance(self, joining: list[_Item], leaving: set) -> tuple[dict, dict]:
-        """Compute thread: the leaving sources go, the joining ones are encoded, then one step for all."""
+        """Compute thread: the leaving sources go, the joining ones are encoded, then one step (see the class)."""
         if leaving:
             self.live.drop(leaving)
         failed: dict[Hashable, Exception] = {}
@@ -430,7 +446,10 @@ class StepBatcher(Batcher):
                 )  # fmt: skip
         if not self.live.rows:
             return {}, failed
-        finished, step_failed = self.live.step()
+        lengths = self.live.lengths
+        if self._steps % self.step_all_every:  # the youngest rows only: the others wait for them to catch up
+            lengths = lengths[:1]
+        finished, step_failed = self.live.step(lengths)
         return finished, failed | step_failed
 
     def _answer(self, finished: dict, failed: dict) -> None:

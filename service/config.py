@@ -36,7 +36,12 @@ class Settings(BaseSettings):
     # sources join the decode loop between decoder steps and finished ones answer at once; "request": a batch
     # of whole requests decodes until its last sentence ends while later arrivals wait (the behaviour before
     # step-level batching, kept so benchmarks can compare the two).
-    translate_scheduling: Literal["step", "request"] = "request"
+    translate_scheduling: Literal["step", "request"] = "step"
+    # Step scheduling: rows that have decoded the same number of tokens share one decoder call per step (the
+    # bundle's decoder takes one cache length per call). Newer, shorter rows step first, so they catch up with
+    # older ones and merge into their call; the older rows still step at least once every this many steps.
+    # 1 = every row steps at every step (one call per distinct length).
+    translate_step_all_every: int = Field(8, ge=1)
     # deadline for an answer, queue wait and compute: queued texts past it are not computed, and a
     # translation batch whose requests are all gone or past it stops decoding
     request_timeout_s: float = Field(30.0, gt=0)

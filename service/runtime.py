@@ -3,7 +3,7 @@
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +180,10 @@ class TranslatorRuntime:
         return [np.zeros((rows, self.n_heads, 0, self.head_dim), np.float32) for _ in self.past_names]
 
 
+# sources whose search ended -> their target tokens; sources whose decoder call raised -> the error
+StepOutcome = tuple[dict[Hashable, list[int]], dict[Hashable, Exception]]
+
+
 class _Search:
     """One source's search: greedy (beam 1) or beam search over its `beam` consecutive rows of a cohort."""
 
@@ -232,10 +236,11 @@ class _Search:
 
 
 class _Cohort:
-    """Sources that joined together, so their caches have one length: one decoder call per step covers them.
+    """Rows whose caches have one length (`step` tokens decoded): one decoder call per step covers them.
 
     The exported decoder places new tokens at the cache's length and has no mask over cached positions, so
-    rows of different lengths cannot share a call without changing the bundle; rows of one cohort can."""
+    rows of different lengths cannot share a call without changing the bundle; rows of one length can, whatever
+    their sources' lengths (the cross keys are padded and masked, as within any encoder batch)."""
 
     def __init__(self, cross: list[np.ndarray], past: list[np.ndarray], tokens: np.ndarray, searches: list[_Search]):
         self.cross, self.past, self.tokens, self.searches = cross, past, tokens, searches
@@ -250,12 +255,32 @@ class _Cohort:
         """Positions held for these rows: the (padded) source's cross keys and the target so far."""
         return self.rows * (self.cross[0].shape[2] + self.step)
 
+    def absorb(self, other: "_Cohort") -> None:
+        """Take in the rows of a cohort of the same length (after this one's rows)."""
+        memory = max(self.cross[0].shape[2], other.cross[0].shape[2])
+        self.cross = [np.concatenate([_pad_memory(a, memory), _pad_memory(b, memory)])
+                      for a, b in zip(self.cross, other.cross, strict=True)]  # fmt: skip
+        self.past = [np.concatenate([a, b]) for a, b in zip(self.past, other.past, strict=True)]
+        self.tokens = np.concatenate([self.tokens, other.tokens])
+        self.searches = self.searches + other.searches
+
     def keep(self, rows: list[int], tokens: list[int]) -> None:
         """Carry on with these rows (indices into the current ones, in order) and their next tokens."""
         if len(rows) != self.rows or rows != list(range(self.rows)):
             self.cross = [t[rows] for t in self.cross]
             self.past = [t[rows] for t in self.past]
         self.tokens = np.array(tokens, dtype=np.int64).reshape(-1, 1)
+
+
+def _pad_memory(cross: np.ndarray, memory: int) -> np.ndarray:
+    """Cross keys/values (rows, H, S', hd) or cross_mask (rows, S') padded to `memory` positions (masked out)."""
+    axis = 2 if cross.ndim == 4 else 1
+    missing = memory - cross.shape[axis]
+    if missing == 0:
+        return cross
+    widths = [(0, 0)] * cross.ndim
+    widths[axis] = (0, missing)
+    return np.pad(cross, widths)  # zeros; False in the mask
 
 
 class LiveDecode:
@@ -279,6 +304,11 @@ class LiveDecode:
         return sum(cohort.rows for cohort in self.cohorts)
 
     @property
+    def lengths(self) -> list[int]:
+        """Target lengths decoded so far by the live rows, shortest first: one decoder call each per step."""
+        return sorted(cohort.step for cohort in self.cohorts)
+
+    @property
     def cache_tokens(self) -> int:
         return sum(cohort.cache_tokens for cohort in self.cohorts)
 
@@ -297,19 +327,31 @@ class LiveDecode:
         rows = int(beams.sum())
         tokens = np.full((rows, 1), rt.bos_id, dtype=np.int64)
         self.cohorts.append(_Cohort(cross, rt.empty_cache(rows), tokens, searches))
+        self._merge_equal_lengths()
 
-    def step(self) -> tuple[dict[Hashable, list[int]], dict[Hashable, Exception]]:
-        """One decoder call per cohort -> (sources whose search ended: their tokens, sources whose cohort's
-        decoder call raised: the error). Both kinds have left."""
+    def step(self, lengths: Collection[int] | None = None) -> StepOutcome:
+        """One decoder call for the rows at each of `lengths` (default: all) -> (sources whose search ended:
+        their tokens, sources whose decoder call raised: the error). Both kinds have left. Rows that reach the
+        length of rows not stepped now join them, so the next step takes them in one call."""
         finished: dict[Hashable, list[int]] = {}
         failed: dict[Hashable, Exception] = {}
-        for cohort in list(self.cohorts):
+        for cohort in [c for c in self.cohorts if lengths is None or c.step in lengths]:
             try:
                 finished.update(self._step_cohort(cohort))
             except Exception as error:  # only this cohort's sources fail; the others carry on
                 failed.update((search.key, error) for search in cohort.searches)
                 self.cohorts.remove(cohort)
+        self._merge_equal_lengths()
         return finished, failed
+
+    def _merge_equal_lengths(self) -> None:
+        by_length: dict[int, _Cohort] = {}
+        for cohort in list(self.cohorts):
+            if cohort.step in by_length:
+                by_length[cohort.step].absorb(cohort)
+                self.cohorts.remove(cohort)
+            else:
+                by_length[cohort.step] = cohort
 
     def _step_cohort(self, cohort: _Cohort) -> dict[Hashable, list[int]]:
         logits, cohort.past = self.runtime.step(cohort.tokens, cohort.cross, cohort.past)

@@ -333,7 +333,7 @@ async def test_the_translator_asks_between_every_decoder_step(translate_root):
 
         return Hooked()
 
-    settings = make_settings(translate_root, classify_model="")
+    settings = make_settings(translate_root, classify_model="", translate_scheduling="request")  # whole batches
     async with running_service(settings, wrap_runtime=wrap) as client:
         for beam in (1, 3):
             r = await client.post("/translate", json={"texts": ["the film", "a bad movie"], "beam_size": beam})

@@ -86,7 +86,7 @@ async def test_batched_translations_equal_one_at_a_time(translate_models, beam_s
         runtimes.append(CountingRuntime(runtime))
         return runtimes[-1]
 
-    settings = make_settings(root, max_wait_ms=200, max_batch_size=8)
+    settings = make_settings(root, max_wait_ms=200, max_batch_size=8, translate_scheduling="request")
     async with running_service(settings, wrap_runtime=wrap) as client:
         alone = [(await client.post("/translate", json={"text": t, "beam_size": beam_size})).json() for t in TEXTS]
         runtimes[0].batches.clear()
@@ -105,7 +105,8 @@ async def test_requests_with_different_options_are_never_batched_together(transl
         runtimes.append(CountingRuntime(runtime))
         return runtimes[-1]
 
-    async with running_service(make_settings(root, max_wait_ms=200), wrap_runtime=wrap) as client:
+    settings = make_settings(root, max_wait_ms=200, translate_scheduling="request")  # whole-request batches
+    async with running_service(settings, wrap_runtime=wrap) as client:
         runtimes[0].batches.clear()
         payloads = [{"text": t, "beam_size": 1 + i % 2} for i, t in enumerate(TEXTS)]
         responses = await asyncio.gather(*(client.post("/translate", json=p) for p in payloads))

@@ -1,0 +1,328 @@
+"""Step-level (continuous) batching of /translate (LINFORMER_TRANSLATE_SCHEDULING=step) on the committed bundles:
+sources join the decode loop between steps and leave as soon as they end, and every answer is the one the
+source gets when decoded alone."""
+
+import asyncio
+import json
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from conftest import make_settings, running_service
+
+from service.app import make_runtime
+from service.batcher import BatchFailed, DeadlineExceeded, ShuttingDown, StepBatcher
+from service.bundle import load_bundle
+from service.runtime import LiveDecode
+from service.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.anyio
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = REPO / "models"
+TESTS = Path(__file__).resolve().parent
+# held-out EN-DE test sources of 16, 32, 64 and 128 tokens (4 each), committed for the load tests
+LOAD_TEXTS = json.loads((REPO / "loadtest" / "data" / "translate.json").read_text())["texts"]
+SHORT_TEXTS = ["Save the file.", "Click OK.", "The chart is updated automatically when you change the data."]
+MIXED = [LOAD_TEXTS["128"][0], *SHORT_TEXTS, LOAD_TEXTS["64"][0], LOAD_TEXTS["16"][0], LOAD_TEXTS["128"][1],
+         LOAD_TEXTS["32"][0], LOAD_TEXTS["64"][1], LOAD_TEXTS["16"][1], LOAD_TEXTS["32"][1]]  # fmt: skip
+
+
+class RecordingLive(LiveDecode):
+    """LiveDecode that notes, before each step, the cohorts and sources live (and may slow each step down)."""
+
+    def __init__(self, runtime, step_delay_s: float = 0.0):
+        super().__init__(runtime)
+        self.step_delay_s = step_delay_s
+        self.steps: list[tuple[int, set]] = []  # (cohorts, keys) before each step
+
+    def step(self, lengths=None):
+        self.steps.append((len(self.cohorts), {search.key for cohort in self.cohorts for search in cohort.searches}))
+        time.sleep(self.step_delay_s)
+        return super().step(lengths)
+
+
+class Recorded:
+    """wrap_runtime: the translator, with its step-level decoding recorded."""
+
+    def __init__(self, runtime, step_delay_s: float = 0.0):
+        self.runtime, self.step_delay_s = runtime, step_delay_s
+        self.lives: list[RecordingLive] = []
+
+    def live(self) -> RecordingLive:
+        self.lives.append(RecordingLive(self.runtime, self.step_delay_s))
+        return self.lives[-1]
+
+    def run(self, *args):
+        return self.runtime.run(*args)
+
+
+def recorded(wrappers: list, step_delay_s: float = 0.0):
+    """wrap_runtime that keeps its Recorded wrapper in `wrappers`."""
+
+    def wrap(runtime) -> Recorded:
+        wrappers.append(Recorded(runtime, step_delay_s))
+        return wrappers[-1]
+
+    return wrap
+
+
+def step_settings(model: str, **overrides):
+    return make_settings(MODELS, classify_model="", translate_model=model, translate_scheduling="step", **overrides)
+
+
+def translator(model: str):
+    bundle = load_bundle(MODELS / model)
+    return bundle, Tokenizer.from_bundle(bundle), make_runtime(bundle, ["CPUExecutionProvider"], step_settings(model))
+
+
+def source_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode_all([text], truncate=True)[0].ids
+
+
+def alone(runtime, tokenizer, text: str, beam_size: int = 1, max_new_tokens: int = 256) -> list[int]:
+    """The request-level runtime on this one source: what decoding it alone gives."""
+    ids = source_ids(tokenizer, text)
+    return runtime.run(np.array([ids]), np.ones((1, len(ids)), dtype=np.int64), (beam_size, max_new_tokens))[0]
+
+
+async def staggered(client, payloads: list[dict], gap_s: float) -> list[tuple[float, httpx.Response]]:
+    """POST each payload gap_s after the previous one; (time answered, response) in sending order."""
+
+    async def send(i: int, payload: dict):
+        await asyncio.sleep(i * gap_s)
+        response = await client.post("/translate", json=payload)
+        return time.monotonic(), response
+
+    return await asyncio.gather(*(send(i, p) for i, p in enumerate(payloads)))
+
+
+@pytest.mark.parametrize("model", ["translate-linformer", "translate-transformer"])
+async def test_greedy_under_staggered_concurrent_arrivals_equals_decoding_each_alone(model):
+    _, tokenizer, runtime = translator(model)
+    payloads = [{"text": text, "max_new_tokens": 40 + 7 * i} for i, text in enumerate(MIXED)]
+    expected = [alone(runtime, tokenizer, p["text"], 1, p["max_new_tokens"]) for p in payloads]
+    wrappers = []
+    async with running_service(step_settings(model), wrap_runtime=recorded(wrappers)) as client:
+        answered = await staggered(client, payloads, gap_s=0.004)
+    for (_, response), tokens in zip(answered, expected, strict=True):
+        assert response.status_code == 200, response.text
+        assert response.json()["translations"][0] == {"text": tokenizer.decode(tokens), "tokens": len(tokens)}
+    live = wrappers[0].lives[0]
+    assert max(cohorts for cohorts, _ in live.steps) >= 2, "sources should have joined while others were decoding"
+
+    # the first request (128 tokens, a long output) was still decoding when later, shorter ones were answered
+    first_done = answered[0][0]
+    assert any(done < first_done for done, _ in answered[1:])
+
+
+async def test_beam_search_and_greedy_sharing_steps_equal_each_decoded_alone():
+    model = "translate-linformer"
+    _, tokenizer, runtime = translator(model)
+    texts = [LOAD_TEXTS["64"][2], SHORT_TEXTS[0], LOAD_TEXTS["32"][2], SHORT_TEXTS[2], LOAD_TEXTS["16"][2]]
+    payloads = [{"text": text, "beam_size": beam} for text, beam in zip(texts, (4, 1, 3, 4, 2), strict=True)]
+    expected = [alone(runtime, tokenizer, p["text"], p["beam_size"]) for p in payloads]
+    wrappers = []
+    async with running_service(step_settings(model), wrap_runtime=recorded(wrappers)) as client:
+        answered = await staggered(client, payloads, gap_s=0.003)
+    assert [r.json()["translations"][0]["text"] for _, r in answered] == [tokenizer.decode(t) for t in expected]
+    assert max(cohorts for cohorts, _ in wrappers[0].lives[0].steps) >= 2
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_rows_that_catch_up_with_older_ones_share_their_decoder_call_and_decode_as_alone(beam_size):
+    from service.batcher import pad
+
+    _, tokenizer, runtime = translator("translate-linformer")
+    texts = [LOAD_TEXTS["64"][0], LOAD_TEXTS["16"][1], SHORT_TEXTS[2]]
+    live = runtime.live()
+    live.admit(*pad([source_ids(tokenizer, texts[0])], 0), [("old", (beam_size, 256))])
+    for _ in range(3):
+        live.step()
+    live.admit(*pad([source_ids(tokenizer, t) for t in texts[1:]], 0), [("new", (beam_size, 256)),
+                                                                        ("newer", (beam_size, 256))])  # fmt: skip
+    assert live.lengths == [0, 3]
+    outputs: dict = {}
+    for _ in range(3):  # only the newcomers step: they reach the old row's length and join its call
+        outputs.update(live.step(live.lengths[:1])[0])
+    assert live.lengths == [3] and len(live.cohorts[0].searches) == 3 - len(outputs)
+    while live.rows:
+        finished, failed = live.step()
+        assert not failed
+        outputs.update(finished)
+    assert outputs == {key: alone(runtime, tokenizer, text, beam_size)
+                       for key, text in zip(("old", "new", "newer"), texts, strict=True)}  # fmt: skip
+
+
+def make_step_batcher(live, **overrides) -> StepBatcher:
+    config = {"name": "t", "pad_id": 0, "max_batch_size": 8, "max_batch_tokens": 16384, "max_wait_s": 0.0,
+              "max_queue": 65536}  # fmt: skip
+    return StepBatcher(live, **{**config, **overrides})
+
+
+async def test_a_source_whose_client_goes_or_whose_deadline_passes_leaves_without_disturbing_the_others():
+    _, tokenizer, runtime = translator("translate-linformer")
+    texts = [LOAD_TEXTS["64"][3], LOAD_TEXTS["32"][3], LOAD_TEXTS["128"][2]]
+    ids = [source_ids(tokenizer, t) for t in texts]
+    expected = alone(runtime, tokenizer, texts[0])
+    live = RecordingLive(runtime, step_delay_s=0.004)
+    batcher = make_step_batcher(live)
+    batcher.start()
+    kept = asyncio.create_task(batcher.submit([ids[0]], timeout_s=30, options=(1, 256)))
+    await asyncio.sleep(0.02)
+    late = asyncio.create_task(batcher.submit([ids[1]], timeout_s=0.08, options=(1, 256)))
+    gone = asyncio.create_task(batcher.submit([ids[2]], timeout_s=30, options=(1, 256)))
+    await asyncio.sleep(0.05)
+    assert batcher.live_depth == 3  # all three are decoding
+    gone.cancel()  # what the route does when the client disconnects
+    with pytest.raises(DeadlineExceeded):
+        await late
+    assert await kept == [expected]
+    await batcher.close()
+    live_sets = [keys for _, keys in live.steps]
+    last_together = max(i for i, keys in enumerate(live_sets) if len(keys) == 3)
+    first_key = next(iter(live_sets[0]))
+    assert all(first_key in keys for keys in live_sets)  # the kept source decoded at every step
+    assert live_sets[-1] == {first_key} and last_together < len(live_sets) - 1  # the others left, it went on
+    assert live.rows == 0
+
+
+async def test_a_runtime_failure_fails_only_the_sources_it_hit():
+    _, tokenizer, runtime = translator("translate-linformer")
+    healthy, poisoned, later = LOAD_TEXTS["64"][0], LOAD_TEXTS["16"][3], LOAD_TEXTS["32"][0]
+    poisoned_ids = source_ids(tokenizer, poisoned)
+    decoder_step = runtime.step
+
+    def failing_step(tokens, cross, past):  # the cohort holding the poisoned source fails at its third step
+        if cross[-1].shape[1] == len(poisoned_ids) and past[0].shape[2] == 2:
+            raise RuntimeError("simulated ONNX Runtime failure")
+        return decoder_step(tokens, cross, past)
+
+    runtime.step = failing_step
+    live = RecordingLive(runtime, step_delay_s=0.002)
+    batcher = make_step_batcher(live)
+    batcher.start()
+    ids = [source_ids(tokenizer, t) for t in (healthy, later)]
+    first = asyncio.create_task(batcher.submit([ids[0]], timeout_s=30, options=(1, 256)))
+    await asyncio.sleep(0.02)  # decoding: the poisoned source joins as a cohort of its own
+    with pytest.raises(BatchFailed):
+        await batcher.submit([poisoned_ids], timeout_s=30, options=(1, 256))
+    runtime.step = decoder_step
+    assert await first == [alone(runtime, tokenizer, healthy)]
+    assert await batcher.submit([ids[1]], timeout_s=30, options=(1, 256)) == [alone(runtime, tokenizer, later)]
+    # an encoder failure fails the sources being admitted, and the loop serves the next ones
+    encode = runtime.encode
+    runtime.encode = lambda *args: (_ for _ in ()).throw(RuntimeError("simulated encoder failure"))
+    with pytest.raises(BatchFailed):
+        await batcher.submit([ids[1]], timeout_s=30, options=(1, 256))
+    runtime.encode = encode
+    assert await batcher.submit([ids[1]], timeout_s=30, options=(1, 256)) == [alone(runtime, tokenizer, later)]
+    await batcher.close()
+
+
+async def test_a_full_queue_is_429_with_retry_after_under_step_scheduling():
+    settings = step_settings("translate-linformer", max_batch_size=1, max_queued_decode_tokens=200,
+                             max_decode_tokens_per_request=100)  # fmt: skip
+    async with running_service(settings, wrap_runtime=recorded([], step_delay_s=0.01)) as client:
+        payload = {"text": LOAD_TEXTS["32"][0], "max_new_tokens": 100}  # costs 100 of the queue's 200
+        responses = await asyncio.gather(*(client.post("/translate", json=payload) for _ in range(6)))
+        statuses = sorted(r.status_code for r in responses)
+        # one decoding (or about to) and two queued fit; the rest are refused at once
+        assert statuses.count(200) >= 2 and 429 in statuses and set(statuses) == {200, 429}, statuses
+        refused = next(r for r in responses if r.status_code == 429)
+        assert refused.json()["error"]["code"] == "overloaded" and int(refused.headers["retry-after"]) >= 1
+        assert (await client.post("/translate", json=payload)).status_code == 200  # the backlog cleared
+
+
+async def test_live_sources_stay_within_the_text_and_cache_budgets():
+    _, tokenizer, runtime = translator("translate-linformer")
+    ids = [source_ids(tokenizer, t) for t in MIXED]
+    live = RecordingLive(runtime)
+    budget = 3 * 140  # cache positions: about three sources of 128 tokens, or many short ones
+    batcher = make_step_batcher(live, max_batch_size=4, max_batch_tokens=budget)
+    admitted_at: list[tuple[int, int]] = []  # (live cache positions, live texts) right after each admission
+    admit = live.admit
+
+    def recording_admit(*args):
+        admit(*args)
+        admitted_at.append((live.cache_tokens, sum(len(c.searches) for c in live.cohorts)))
+
+    live.admit = recording_admit
+    batcher.start()
+    outputs = await asyncio.gather(*(batcher.submit([x], timeout_s=60, options=(1, 64)) for x in ids))
+    await batcher.close()
+    assert [out[0] for out in outputs] == [alone(runtime, tokenizer, t, 1, 64) for t in MIXED]
+    assert all(texts <= 4 for _, texts in admitted_at)
+    # a cohort joins live sources only while the cache stays within budget (one source alone may exceed it)
+    assert all(tokens <= budget or texts == 1 for tokens, texts in admitted_at)
+    assert len(admitted_at) > 1
+
+
+async def test_close_finishes_live_sources_and_refuses_new_ones():
+    _, tokenizer, runtime = translator("translate-linformer")
+    texts = [LOAD_TEXTS["64"][1], LOAD_TEXTS["16"][0]]
+    live = RecordingLive(runtime, step_delay_s=0.003)
+    batcher = make_step_batcher(live)
+    batcher.start()
+    ids = [source_ids(tokenizer, t) for t in texts]
+    tasks = [asyncio.create_task(batcher.submit([x], timeout_s=30, options=(1, 256))) for x in ids]
+    await asyncio.sleep(0.03)
+    assert batcher.live_depth == 2
+    closing = asyncio.create_task(batcher.close())
+    await asyncio.sleep(0)
+    with pytest.raises(ShuttingDown):
+        await batcher.submit([[5, 3]], timeout_s=30, options=(1, 256))
+    await closing
+    assert [(await task)[0] for task in tasks] == [alone(runtime, tokenizer, t) for t in texts]
+
+
+def test_sigterm_finishes_the_sources_being_decoded_then_exits_zero():
+    from test_service_process import free_port, start, stop
+
+    port = free_port()
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from test_step_batching import Recorded, step_settings
+        from service.__main__ import serve
+        from service.app import create_app
+        settings = step_settings("translate-linformer", port={port}, log_level="info", drain_s=0)
+        serve(create_app(settings, wrap_runtime=lambda rt: Recorded(rt, step_delay_s=0.02)), settings)
+    """)
+    proc = start(["-c", script], port)
+    while httpx.get(f"http://127.0.0.1:{port}/readyz").status_code != 200:
+        time.sleep(0.1)
+    texts = [LOAD_TEXTS["64"][0], LOAD_TEXTS["32"][1], SHORT_TEXTS[2]]
+    results: dict[int, object] = {}
+
+    def post(i: int) -> None:
+        try:
+            r = httpx.post(f"http://127.0.0.1:{port}/translate", json={"text": texts[i]}, timeout=30)
+            results[i] = r.json()["translations"][0]["text"] if r.status_code == 200 else r.status_code
+        except httpx.HTTPError as e:
+            results[i] = repr(e)
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(texts))]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.4)  # 20 ms a step: all three are mid-translation
+    code, out = stop(proc, timeout_s=30)
+    for thread in threads:
+        thread.join()
+    _, tokenizer, runtime = translator("translate-linformer")
+    assert results == {i: tokenizer.decode(alone(runtime, tokenizer, t)) for i, t in enumerate(texts)}, out
+    assert code == 0 and "batchers drained" in out, out
+
+
+def test_the_scheduling_setting_reads_step_or_request_from_the_environment(monkeypatch):
+    from service.config import Settings
+
+    monkeypatch.setenv("LINFORMER_TRANSLATE_SCHEDULING", "request")
+    assert Settings(_env_file=None).translate_scheduling == "request"
+    monkeypatch.setenv("LINFORMER_TRANSLATE_SCHEDULING", "continuous")
+    with pytest.raises(ValueError):
+        Settings(_env_file=None)
