@@ -4,6 +4,7 @@
     python -m export translate --checkpoint runs/translate-linformer-k64/best.pt --out models/translate-linformer
     python -m export quantize --bundle models/translate-linformer --out models/translate-linformer-int8
     python -m export calibrate --bundle models/classify-linformer  (the batcher's token budget, measured)
+    python -m export ctranslate2 --bundle models/translate-transformer --out .cache/ct2/translate-transformer
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ def main(argv: list[str] | None = None) -> None:
                                                  "write the batcher's token budget into the bundle's manifest.json")
     calibrate.add_argument("--bundle", type=Path, required=True, help="classify bundle, e.g. models/classify-linformer")
     calibrate.add_argument("--threads", type=int, default=1, help="ORT threads per server process (default 1)")
+    peer = sub.add_parser("ctranslate2", help="the same weights as a CTranslate2 model (the benchmark peer)")
+    peer.add_argument("--bundle", type=Path, required=True, help="a vanilla translator: models/translate-transformer")
+    peer.add_argument("--out", type=Path, required=True, help="e.g. .cache/ct2/translate-transformer (not a bundle)")
+    peer.add_argument("--quantization", help="store weights as e.g. int8 (default fp32; int8 can be chosen at load)")
     args = parser.parse_args(argv)
+
 
     if args.task == "calibrate":  # onnxruntime only: runs on the serving machine without torch
         from export.calibrate import calibrate_bundle, table_markdown
@@ -48,7 +54,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"bundle": str(args.bundle), "max_batch_tokens": batching["max_batch_tokens"],
                           "worst_length_ratio_to_best": batching["worst_length_ratio_to_best"]}))  # fmt: skip
         return
+    if args.task == "ctranslate2":  # a bundle in, a CTranslate2 model out: no checkpoint, no torch
+        from export.ctranslate2 import convert
 
+        print(json.dumps({"ctranslate2_model": str(convert(args.bundle, args.out, args.quantization))}))
+        return
     if args.task == "quantize":  # a bundle in, a bundle out: no checkpoint, no torch
         from export.quantize import quantize_bundle
 
