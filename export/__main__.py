@@ -45,7 +45,6 @@ def main(argv: list[str] | None = None) -> None:
     peer.add_argument("--quantization", help="store weights as e.g. int8 (default fp32; int8 can be chosen at load)")
     args = parser.parse_args(argv)
 
-
     if args.task == "calibrate":  # onnxruntime only: runs on the serving machine without torch
         from export.calibrate import calibrate_bundle, table_markdown
 
