@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+
+from loadtest.report import cpu_model
 
 LENGTHS = (16, 64, 128, 256, 512, 1024)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -87,16 +88,6 @@ def choose_budget(table: dict[int, dict[int, float]], max_batch_size: int = max(
     return budget, scores[budget]
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def calibrate_bundle(bundle: Path, threads: int = 1) -> dict:
     """Measure, choose, and write `batching` into bundle/manifest.json (its `files` are left as they are)."""
     config = json.loads((bundle / "config.json").read_text())
@@ -110,7 +101,7 @@ def calibrate_bundle(bundle: Path, threads: int = 1) -> dict:
         "worst_length_ratio_to_best": round(worst_ratio, 3),
         "texts_per_cpu_second": {str(length): {str(b): round(r, 1) for b, r in rates.items()}
                                  for length, rates in table.items()},  # fmt: skip
-        "measured_with": {"ort_threads": threads, "cpu": cpu_name(), "nproc": os.cpu_count(),
+        "measured_with": {"ort_threads": threads, "cpu": cpu_model(), "nproc": os.cpu_count(),
                           "onnxruntime": ort.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime())},
     }  # fmt: skip
     manifest_path = bundle / "manifest.json"
