@@ -45,8 +45,10 @@ HELP_DE_DIR = "usr/share/libreoffice/help/de/text"
 UI_MO_DIR = "usr/lib/libreoffice/program/resource/de/LC_MESSAGES"
 DING_FILE = "usr/share/trans/de-en"
 GETTEXT_MO_DIR = "usr/share/locale/de/LC_MESSAGES"
-# Common programs whose .deb ships German catalogs: GNU tools, Debian's package tools, GNOME/Xfce
-# applications and libraries, office and media programs. Interface strings only (LC_MESSAGES).
+# Common programs: GNU tools, Debian's package tools, GNOME/Xfce applications and libraries, office and media
+# programs. Interface strings only (LC_MESSAGES). Five of them (abiword-common, cups-common, gimp, parted,
+# transmission-common) turned out to keep their German catalog in another package and add nothing; they stay
+# listed so the prepared data (whose meta.json records every package version) is the one models trained on.
 GETTEXT_PACKAGES = (
     "abiword-common", "apt", "aptitude-common", "audacity-data", "baobab", "binutils-common", "bison",
     "brasero-common", "cheese-common", "claws-mail-i18n", "coreutils", "cups-common", "diffutils", "dpkg",
