@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from pathlib import Path
 import sacrebleu
 import sentencepiece as spm
 import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -44,7 +46,7 @@ from model import Translator  # noqa: E402
 from training.batching import pad  # noqa: E402
 from training.decode import length_limits, translate_ids  # noqa: E402
 from training.provenance import sha256_of  # noqa: E402
-from training.tokenizer import EOS_ID, PAD_ID  # noqa: E402
+from training.tokenizer import BOS_ID, EOS_ID, PAD_ID  # noqa: E402
 from training.trainer import load_trained  # noqa: E402
 
 SOURCES = ("help", "ding", "desc")
@@ -93,6 +95,27 @@ def translate(
     return hypotheses
 
 
+@torch.no_grad()
+def dev_perplexity(model: Translator, sp: spm.SentencePieceProcessor, dev: Path, batch_size: int = 64) -> float:
+    """exp(mean NLL per reference token, EOS included) on the dev split, as training's evaluate() computes it."""
+    model.eval()
+    with open(dev, encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    pairs = [(sp.encode(r["en"])[: model.cfg.n_max - 1] + [EOS_ID], sp.encode(r["de"])[: model.cfg.tgt_n_max - 1])
+             for r in rows]  # fmt: skip
+    total_nll, total_tokens = 0.0, 0
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start : start + batch_size]
+        src_ids, src_mask = pad([src for src, _ in chunk], PAD_ID)
+        tgt_in, _ = pad([[BOS_ID] + tgt for _, tgt in chunk], PAD_ID)
+        tgt_out, _ = pad([tgt + [EOS_ID] for _, tgt in chunk], PAD_ID)
+        logits = model(src_ids, src_mask, tgt_in)
+        total_nll += F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD_ID,
+                                     reduction="sum").item()  # fmt: skip
+        total_tokens += int((tgt_out != PAD_ID).sum())
+    return math.exp(total_nll / total_tokens)
+
+
 def has_repeated_4gram(text: str) -> bool:
     words = text.split()
     grams = [tuple(words[i : i + 4]) for i in range(len(words) - 3)]
@@ -133,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
 
     sp = spm.SentencePieceProcessor(model_file=str(args.data / "spm.model"))
     test = read_test(args.data / "test.tsv")
-    rows, bucket_rows = [], []
+    rows, bucket_rows, summary_rows = [], [], []
     for spec in args.model:
         label, checkpoint = spec.rsplit("=", 1)
         model, saved = load_trained(Path(checkpoint), Translator)
@@ -162,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
             hypotheses, references = (outputs["help"][i] + outputs["ding"][i] for i in (0, 1))
             rows.append({"model": label, "set": "help+ding", **scores(hypotheses, references),
                          "checkpoint": checkpoint})  # fmt: skip
+        summary_rows.append({"model": label, "dev_ppl": round(dev_perplexity(model, sp, args.data / "dev.tsv"), 2),
+                             **{f"bleu_{r['set']}": r["bleu"] for r in rows if r["model"] == label},
+                             "checkpoint": checkpoint})  # fmt: skip
         for low, high in BUCKETS:
             chosen = [(hyp, ref) for length, hyp, ref in per_sentence if low <= length <= high]
             if chosen:
@@ -176,7 +202,12 @@ def main(argv: list[str] | None = None) -> None:
               + [{**r, "set": "bucket " + r["bucket"], "options": options} for r in bucket_rows])  # fmt: skip
     lines = header(f"EN->DE per domain: {args.name}", ("torch", "sacrebleu", "sentencepiece"), load_before)
     lines += [f"- decoding: {options}", f"- data: `{args.data}` (test split; `-long` sets joined as the docstring "
-              "says)", "", "## Per held-out set", ""]  # fmt: skip
+              "says); dev PPL on its dev split", "", "## Summary (BLEU)", ""]  # fmt: skip
+    lines += markdown_table(summary_rows, {"model": "model", "dev_ppl": "PPL (dev)", "bleu_help": "help",
+                                           "bleu_ding": "Ding", "bleu_desc": "desc", "bleu_help+ding": "help+Ding",
+                                           "bleu_help-long": "help-long", "bleu_desc-long": "desc-long",
+                                           "checkpoint": "checkpoint"})  # fmt: skip
+    lines += ["", "## Per held-out set", ""]
     columns = {"model": "model", "set": "set", "sentences": "sentences", "bleu": "BLEU", "chrf": "chrF",
                "length_ratio": "hyp/ref length", "repeat4": "repeated 4-gram", "repeat4_ref": "(references)",
                "decode_s": "decode s"}  # fmt: skip
