@@ -57,9 +57,9 @@ def bundle_lines(results: Path) -> list[str]:
     return [*lines, "", "Cache benchmark details: `decode-cache-<bundle>.md` (command, machine, versions).", ""]
 
 
-COLUMNS = ["run", "kind", "model", "ppl_dev", "ppl_test", "parameters", "beam", "bleu", "chrf", "train_min", "train_s",
-           "steps", "trained", "decode_s", "decode_ms_per_sentence", "eval_threads", "measured", "recipe",
-           "signatures"]  # fmt: skip
+COLUMNS = ["run", "kind", "model", "ppl_dev", "ppl_test", "parameters", "beam", "bleu", "chrf", "test_pairs",
+           "train_min", "train_s", "steps", "trained", "decode_s", "decode_ms_per_sentence", "eval_threads", "measured",
+           "recipe", "signatures"]  # fmt: skip
 
 
 def mtime(path: Path) -> str:
@@ -101,6 +101,7 @@ def run_rows(run: Path, trained: str | None) -> list[dict]:
         return [common]
     return [
         {**common, "beam": ev["beam_size"], "bleu": round(ev["bleu"], 2), "chrf": round(ev["chrf"], 2),
+         "test_pairs": ev.get("sentences", ""),
          "decode_s": round(ev["decode_s"], 1), "decode_ms_per_sentence": round(ev["decode_ms_per_sentence"], 1),
          "eval_threads": ev["threads"], "measured": mtime(path),
          "signatures": f"`{ev['bleu_signature']}`, `{ev['chrf_signature']}`"}  # fmt: skip
@@ -152,7 +153,9 @@ def main(argv: list[str] | None = None) -> None:
         lines += [f"- Recipe: {recipe}" for recipe in recipes]
     lines += [
         "- PPL: exp of the per-token NLL (no smoothing) of the dev references, EOS included; best-dev-PPL "
-        "checkpoint. BLEU/chrF: sacrebleu on the 1,500 test pairs, detokenised with SentencePiece"
+        "checkpoint. BLEU/chrF: sacrebleu on the test pairs, detokenised with SentencePiece; `test pairs` says "
+        "which test split: 1,500 (help + Ding, the first data version; rows without a count) or 2,250 (the "
+        "second adds 750 package descriptions; per-domain scores in `translate-domains.md`)"
         + "".join(sorted({f" ({r['signatures']})" for r in rows if r.get("signatures")})) + ".",
         "- Train time: wall clock of the whole run; `trained` says whether the run had the 2 cores to itself or "
         "shared them with other runs: compare train times only between rows trained alike.",
@@ -161,8 +164,9 @@ def main(argv: list[str] | None = None) -> None:
         "the evaluation ran: the machine's speed varied between sessions (the same ONNX model ran about 2x slower "
         "after 07:00 UTC than before), so compare inference times only between rows measured together.",
         "",
-        "| model | PPL (dev) | BLEU (test) | chrF (test) | train time | trained | inference time (test) | measured |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | PPL (dev) | BLEU (test) | chrF (test) | train time | trained | inference time (test) | measured "
+        "| test pairs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         inference = "–"
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
                          f"{r['eval_threads']} thread)")  # fmt: skip
         lines.append(
             f"| {r['model']} | {cell(r, 'ppl_dev')} | {cell(r, 'bleu')} | {cell(r, 'chrf')} | {r['train_min']} min "
-            f"({r['steps']} steps) | {r['trained']} | {inference} | {r['measured']} |"
+            f"({r['steps']} steps) | {r['trained']} | {inference} | {r['measured']} | {cell(r, 'test_pairs')} |"
         )
     if timing:
         lines += ["", "Training speed on equal terms: short runs of the same recipe (but for the step count), each "

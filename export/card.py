@@ -120,9 +120,14 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "")
         f" --n-layers {cfg['n_layers']} --d-ff {cfg['d_ff']} --epochs {train['epochs']} --lr {train['lr']}"
         f" --warmup-steps {train['warmup_steps']} --max-tokens {train['max_tokens']}"
         f" --threads {train['threads']}"
-        + (f" --data {extra['data']} --init-from PRETRAINED/best.pt" if extra.get("init_from") else "")
+        + (f" --save-every {train['save_every']} --keep-checkpoints {train['keep_checkpoints']}"
+           if train.get("keep_checkpoints") else "")  # fmt: skip
+        + (f" --data {extra['data']} --init-from {extra['init_from']['checkpoint']}" if extra.get("init_from") else "")
         + " --out RUN`",
     ]
+    if extra.get("averaged_steps"):
+        lines.append(f"- Served weights: the average of the checkpoints at steps {extra['averaged_steps']} "
+                     "(`python -m training.average RUN`).")  # fmt: skip
     if summary:
         lines += [
             f"- Trained on {summary['processes']} process(es) x {summary['threads_per_process']} CPU thread(s) "
@@ -157,6 +162,54 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "")
     return "\n".join(lines)
 
 
+SOURCE_NAMES = {
+    "help": "LibreOffice help pages aligned by paragraph id",
+    "ui": "LibreOffice UI strings",
+    "ding": "Ding example sentences",
+    "desc": "Debian package descriptions (DDTP, Translation-de/-en paired by Description-md5)",
+    "gettext": "German gettext catalogs of common programs",
+    "joined": "consecutive help/description training pairs joined into 100-250-token examples",
+}
+LIBREOFFICE_AND_DING = ("libreoffice-help-en-us", "libreoffice-help-de", "libreoffice-l10n-de", "trans-de-en")
+
+
+def translation_data_lines(meta: dict, extra: dict) -> list[str]:
+    """Where the training data came from (packages, index files, counts per source, hashes)."""
+    packages = meta.get("package_versions", {})
+    counts = meta.get("counts", {})
+    train = counts.get("train", {})
+    sources = [name for name in SOURCE_NAMES if isinstance(train, dict) and train.get(name)]
+    lines = [
+        "- Debian packages: " + ", ".join(f"`{name}` {packages[name]}" for name in LIBREOFFICE_AND_DING
+                                          if name in packages)  # fmt: skip
+        + (f"; German `.mo` catalogs of {len(packages) - len(LIBREOFFICE_AND_DING)} more packages (names and "
+           "versions in the data's meta.json: `training.ende.GETTEXT_PACKAGES`)"
+           if len(packages) > len(LIBREOFFICE_AND_DING) else ""),  # fmt: skip
+    ]
+    if meta.get("ddtp"):
+        ddtp = meta["ddtp"]
+        hashes = ", ".join(f"`{name}` sha256 {digest[:16]}…" for name, digest in ddtp["sha256"].items())
+        lines.append(f"- DDTP index files of Debian bookworm main (Release date {ddtp['release_date']}): {hashes}")
+    lines += [
+        "- Training sources: " + "; ".join(f"{SOURCE_NAMES[name]} ({train[name]:,})" for name in sources) + ".",
+        "- Cleaned, deduplicated, seeded split (seed "
+        f"{meta.get('seed', '?')}): " + ", ".join(f"{split} {c.get('total', c) if isinstance(c, dict) else c}"
+                                                  for split, c in counts.items())  # fmt: skip
+        + "; dev comes from help and Ding, test from help, Ding"
+        + (" and package descriptions of whole source packages held out of training" if "desc" in sources else "")
+        + "; no side of a held-out pair appears in train.",
+        f"- Training pairs dropped as longer than n_max/tgt_n_max: {extra.get('dropped_from_train', '?')}.",
+        "- Prepared by `python -m training.ende`; sha256: "
+        + ", ".join(f"`{name}` {digest[:16]}…" for name, digest in meta.get("sha256", {}).items()),
+    ]
+    tokenizer = meta.get("tokenizer", {})
+    trained_on = ("the first data version's training split (help, UI strings, Ding), reused so that training "
+                  "could continue from the served model" if tokenizer.get("reused") else "the training split only")
+    lines.append(f"- Tokenizer: joint EN+DE SentencePiece unigram, vocabulary {tokenizer.get('vocab_size', '?')}, "
+                 f"trained on {trained_on} (pad 0, unk 1, bos 2, eos 3).")  # fmt: skip
+    return lines
+
+
 def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str] | None = None) -> str:
     extra = saved.get("extra", {})
     meta = extra.get("data_meta", {})
@@ -175,8 +228,6 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
     else:
         kind = "vanilla Transformer (full softmax attention in the encoder and the cross-attention)"
         flags = ""
-    counts = meta.get("counts", {})
-    packages = meta.get("package_versions", {})
     budget = f"{train['max_steps']} steps" if train.get("max_steps") else f"{train['epochs']} epochs"
     lines = [
         f"# {config['name']}",
@@ -186,17 +237,7 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
         f"tgt_n_max = {cfg['tgt_n_max']} tokens.",
         "",
         "## Data provenance",
-        "- Debian packages: " + ", ".join(f"`{name}` {version}" for name, version in packages.items())
-        + ": LibreOffice help pages aligned by paragraph id, LibreOffice UI strings, Ding example sentences.",
-        "- Cleaned, deduplicated, seeded split (seed "
-        f"{meta.get('seed', '?')}): " + ", ".join(f"{split} {c.get('total', c) if isinstance(c, dict) else c}"
-                                                  for split, c in counts.items())
-        + "; dev and test come from help and Ding only, and no side of a held-out pair appears in train.",
-        f"- Training pairs dropped as longer than n_max/tgt_n_max: {extra.get('dropped_from_train', '?')}.",
-        "- Prepared by `python -m training.ende`; sha256: "
-        + ", ".join(f"`{name}` {digest[:16]}…" for name, digest in meta.get("sha256", {}).items()),
-        f"- Tokenizer: joint EN+DE SentencePiece unigram, vocabulary {cfg['vocab_size']}, trained on the training "
-        "split only (pad 0, unk 1, bos 2, eos 3).",
+        *translation_data_lines(meta, extra),
         "",
         "## Model and recipe",
         f"- d_model {cfg['d_model']}, {cfg['n_layers']} encoder + {cfg['n_decoder_layers']} decoder layers, "
@@ -214,9 +255,14 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
         + (f" --max-steps {train['max_steps']}" if train.get("max_steps") else "")
         + f" --lr {train['lr']} --warmup-steps {train['warmup_steps']} --max-tokens {train['max_tokens']}"
         f" --threads {train['threads']}"
-        + (f" --data {extra['data']} --init-from PRETRAINED/best.pt" if extra.get("init_from") else "")
+        + (f" --save-every {train['save_every']} --keep-checkpoints {train['keep_checkpoints']}"
+           if train.get("keep_checkpoints") else "")  # fmt: skip
+        + (f" --data {extra['data']} --init-from {extra['init_from']['checkpoint']}" if extra.get("init_from") else "")
         + " --out RUN`",
     ]
+    if extra.get("averaged_steps"):
+        lines.append(f"- Served weights: the average of the checkpoints at steps {extra['averaged_steps']} "
+                     "(`python -m training.average RUN`).")  # fmt: skip
     if summary:
         lines += [
             f"- Trained on {summary['processes']} process(es) x {summary['threads_per_process']} CPU thread(s) of a "

@@ -7,10 +7,14 @@ from training.ende import (
     align_by_id,
     catalog_pairs,
     clean_pairs,
+    description_pairs,
     is_natural_sentence,
+    joined_training_pairs,
     parse_ding_line,
     parse_help_html,
+    parse_translation_file,
     split_pairs,
+    without_gtk_mnemonic,
     write_tsv,
 )
 from training.tokenizer import read_tsv_column
@@ -152,3 +156,120 @@ def test_tsv_round_trips_pairs_with_quotes(tmp_path: Path):
     pairs = [Pair("help", 'Type "=SUM(A1)"', 'Geben Sie "=SUMME(A1)" ein')]
     write_tsv(tmp_path / "p.tsv", pairs)
     assert list(read_tsv_column(tmp_path / "p.tsv", "de")) == [pairs[0].de]
+
+
+TRANSLATION_DE = """Package: foo-utils
+Description-md5: aaa
+Description-de: Werkzeuge für Foo
+ Foo ist ein Programm, das
+ Dinge tut.
+ .
+ Funktionen:
+  * schnell
+  * klein und
+    leicht
+ .
+ Dieses Paket enthält die Werkzeuge.
+
+Package: bar
+Description-md5: bbb
+Description-de: Bar-Bibliothek
+ Ein Absatz.
+"""
+
+TRANSLATION_EN = """Package: foo-utils
+Description-md5: aaa
+Description-en: tools for Foo
+ Foo is a program that
+ does things.
+ .
+ Features:
+  * fast
+  * small and
+    light
+ .
+ This package contains the tools.
+
+Package: bar
+Description-md5: bbb
+Description-en: Bar library
+ One paragraph.
+ .
+ A second paragraph the German lacks.
+
+Package: baz
+Description-md5: ccc
+Description-en: untranslated
+"""
+
+
+def test_package_descriptions_pair_short_descriptions_paragraphs_and_list_items_by_md5():
+    german = parse_translation_file(TRANSLATION_DE, "de")
+    english = parse_translation_file(TRANSLATION_EN, "en")
+    assert set(english) == {"aaa", "bbb", "ccc"}
+    assert description_pairs(german, english) == [
+        ("foo-utils", Pair("desc", "tools for Foo", "Werkzeuge für Foo")),
+        ("foo-utils", Pair("desc", "Foo is a program that does things.", "Foo ist ein Programm, das Dinge tut.")),
+        ("foo-utils", Pair("desc", "Features:", "Funktionen:")),
+        ("foo-utils", Pair("desc", "fast", "schnell")),
+        ("foo-utils", Pair("desc", "small and light", "klein und leicht")),
+        ("foo-utils", Pair("desc", "This package contains the tools.", "Dieses Paket enthält die Werkzeuge.")),
+        # bar's long descriptions have 2 English and 1 German paragraph: only the short one pairs
+        ("bar", Pair("desc", "Bar library", "Bar-Bibliothek")),
+    ]
+
+
+def test_list_items_that_do_not_match_in_number_pair_as_the_whole_paragraph():
+    german = parse_translation_file("Package: x\nDescription-md5: m\nDescription-de: X\n Liste:\n  * a b\n", "de")
+    english = parse_translation_file("Package: x\nDescription-md5: m\nDescription-en: X\n List:\n * a\n * b\n", "en")
+    assert description_pairs(german, english)[1:] == [("x", Pair("desc", "List: * a * b", "Liste: * a b"))]
+
+
+def test_gtk_mnemonics_are_removed_but_identifiers_with_several_underscores_kept():
+    assert without_gtk_mnemonic("_Open") == "Open"
+    assert without_gtk_mnemonic("Ö_ffnen") == "Öffnen"
+    assert without_gtk_mnemonic("set my_file_name") == "set my_file_name"
+
+
+def _pairs_with_descriptions() -> tuple[list[Pair], dict[tuple[str, str], set[str]]]:
+    pairs = _synthetic_pairs()
+    owners: dict[tuple[str, str], set[str]] = {}
+    for package in range(40):
+        for line in range(5):
+            pair = Pair("desc", f"Package {package} does task number {line}.", f"Paket {package} macht Aufgabe {line}.")
+            pairs.append(pair)
+            owners[(pair.en, pair.de)] = {f"src{package}"}
+    shared = Pair("desc", "This package contains the development files.", "Dieses Paket enthält die Dateien.")
+    pairs.append(shared)
+    owners[(shared.en, shared.de)] = {f"src{package}" for package in range(40)}
+    return pairs, owners
+
+
+def test_held_out_descriptions_come_from_whole_source_packages_none_of_which_is_trained_on():
+    pairs, owners = _pairs_with_descriptions()
+    splits = split_pairs(pairs, seed=3, dev_size=40, test_size=60, desc_owners=owners, desc_test_size=12)
+    test_desc = [p for p in splits["test"] if p.source == "desc"]
+    assert len(test_desc) == 12
+    held_packages = {package for p in test_desc for package in owners[(p.en, p.de)]}
+    assert len(held_packages) == 3  # 5 pairs each: 3 packages fill 12
+    train_packages = {package for p in splits["train"] if p.source == "desc" for package in owners[(p.en, p.de)]}
+    assert held_packages.isdisjoint(train_packages)
+    # boilerplate shared with a held-out package is neither a test pair nor trained on
+    assert not any("development files" in p.en for p in splits["train"] + splits["test"])
+    # help and ding held-out pairs are the ones drawn without descriptions
+    plain = split_pairs(_synthetic_pairs(), seed=3, dev_size=40, test_size=60)
+    assert plain["dev"] == splits["dev"] and plain["test"] == splits["test"][:60]
+
+
+def test_joined_examples_join_consecutive_pairs_of_one_source_on_both_sides():
+    train = [Pair("help", f"Paragraph {i} has these five words.", f"Absatz {i} hat fünf Wörter.") for i in range(200)]
+    train += [Pair("ding", f"I saw {i} birds today.", f"Ich sah heute {i} Vögel.") for i in range(50)]
+    joined = joined_training_pairs(train, seed=1, count=1000)
+    assert joined and all(p.source == "joined" for p in joined)
+    for pair in joined:
+        numbers = [int(word) for word in pair.en.split() if word.isdigit()]
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # consecutive, in order
+        assert [int(w) for w in pair.de.split() if w.isdigit()] == numbers  # the same pairs on the German side
+        assert 60 <= len(pair.en.split()) <= 180
+    assert "birds" not in " ".join(p.en for p in joined)  # ding is not document-ordered: never joined
+    assert len(joined_training_pairs(train, seed=1, count=3)) == 3

@@ -13,9 +13,11 @@ from export.translate import cache_names, export_translator, load_translator, se
 from model import ModelConfig
 from service.runtime import TranslatorRuntime
 from training.__main__ import main as training_main
+from training.average import average_checkpoints, kept_checkpoints
 from training.batching import pad
-from training.decode import beam_search, greedy
+from training.decode import banned_tokens, beam_search, greedy, length_limits
 from training.provenance import sha256_of as sha256
+from training.recover_translate import recover
 from training.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from training.translate import TranslateTask
 
@@ -171,3 +173,56 @@ def test_vanilla_transformer_exports_with_the_same_contract(tmp_path):
     assert config["attention"] == "transformer" and config["k_cross"] is None
     assert config["parity"]["greedy_identical"] == config["parity"]["sentences"]
     assert config["parity"]["max_abs_logit_diff_cached_steps"] <= 1e-4
+
+
+def test_banned_tokens_are_those_that_would_repeat_an_ngram():
+    assert banned_tokens([5, 6, 7, 5, 6], 3) == [7]  # "5 6" was followed by 7 before
+    assert banned_tokens([5, 6, 7, 5, 6], 2) == [7]  # 6 was followed by 7 before
+    assert banned_tokens([5, 6], 3) == []
+    assert banned_tokens([4, 4, 4], 1) == [4, 4, 4]
+
+
+def test_no_repeat_ngram_and_length_limits_constrain_the_search(trained):
+    task, _ = trained
+    src, mask = pad(task.splits["test"]["src"][:20], PAD_ID)
+    for search in (lambda **kw: greedy(task.model, src, mask, 16, **kw),
+                   lambda **kw: beam_search(task.model, src, mask, 3, 16, **kw)):  # fmt: skip
+        for ids in search(no_repeat_ngram=1):
+            assert len(ids) == len(set(ids))
+        limits = [1 + i % 3 for i in range(20)]
+        assert all(len(ids) <= limit for ids, limit in zip(search(max_lengths=limits), limits, strict=True))
+        assert search(max_lengths=[16] * 20) == search()  # a limit never reached changes nothing
+    assert length_limits(mask, 1.5, 2) == [int(1.5 * n + 2) for n in mask.sum(dim=1).tolist()]
+
+
+def test_a_checkpoint_rebuilt_from_the_bundle_decodes_like_the_original(exported, tmp_path):
+    task, bundle, _ = exported
+    recover(bundle, tmp_path / "recovered.pt", "unused")
+    rebuilt, _ = load_translator(tmp_path / "recovered.pt")
+    src, mask = pad(task.splits["test"]["src"][:20], PAD_ID)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(src, mask, src), task.model.eval()(src, mask, src), atol=1e-5, rtol=1e-5)
+    assert greedy(rebuilt, src, mask, 16) == greedy(task.model, src, mask, 16)
+
+
+def test_training_can_start_from_a_checkpoint(trained, tmp_path):
+    task, run = trained
+    data = run.parent / "data"
+    training_main(["translate", "--data", str(data), *TINY_TRANSLATOR, "--max-steps", "2", "--lr", "1e-9",
+                   "--warmup-steps", "1", "--max-tokens", "512", "--threads", "1", "--init-from", str(run / "best.pt"),
+                   "--save-every", "1", "--keep-checkpoints", "1", "--out", str(tmp_path / "more")])  # fmt: skip
+    summary = json.loads((tmp_path / "more" / "summary.json").read_text())
+    assert summary["dev"]["ppl"] < 1.5  # it started trained (lr ~0 leaves it there), not from scratch
+    assert summary["init_from"]["checkpoint"] == str(run / "best.pt")
+    assert [p.name for p in (tmp_path / "more").glob("step-*.pt")] == ["step-2.pt"]
+
+
+def test_checkpoint_averaging_takes_the_mean_of_the_last_kept_weights(tmp_path):
+    for step, value in ((200, 1.0), (400, 2.0), (600, 4.0)):
+        torch.save({"model": {"w": torch.full((2,), value)}, "model_config": {"step": step}, "step": step,
+                    "extra": {}}, tmp_path / f"step-{step}.pt")  # fmt: skip
+    paths = kept_checkpoints(tmp_path, 2)
+    assert [p.name for p in paths] == ["step-400.pt", "step-600.pt"]
+    averaged = average_checkpoints(paths)
+    torch.testing.assert_close(averaged["model"]["w"], torch.full((2,), 3.0))
+    assert averaged["model_config"] == {"step": 600} and averaged["extra"]["averaged_steps"] == [400, 600]

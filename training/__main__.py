@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -59,6 +60,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate on dev every N steps (0: per epoch)")
+    p.add_argument("--keep-checkpoints", type=int, default=0,
+                   help="also keep the weights of the last N --save-every steps (for checkpoint averaging)")
     p.add_argument("--resume", action="store_true")
 
 
@@ -67,7 +70,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         out_dir=args.out, epochs=args.epochs, max_steps=args.max_steps, schedule_steps=args.schedule_steps, lr=args.lr,
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_tokens=args.max_tokens,
         max_batch=args.max_batch, seed=args.seed, threads=args.threads, save_every=args.save_every,
-        eval_every=args.eval_every, resume=args.resume,
+        eval_every=args.eval_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
     )  # fmt: skip
 
 
@@ -122,14 +125,17 @@ def run_translate(args: argparse.Namespace) -> None:
         cross_attention=cross, k_cross=(args.k_cross or args.k[0]) if cross == "linformer" else 0,
     )  # fmt: skip
     task = TranslateTask(data, cfg)
+    extra = {"task": "translate", "data": str(data), "data_meta": meta}
+    if args.init_from:  # go on training a model (all its weights) on this data, with a new schedule
+        start = torch.load(args.init_from, map_location="cpu", weights_only=False)
+        differ = [key for key, value in asdict(cfg).items() if key != "dropout" and start["model_config"][key] != value]
+        if differ:
+            raise ValueError(f"{args.init_from} differs from this model in {', '.join(differ)}")
+        task.model.load_state_dict(start["model"])
+        extra["init_from"] = {"checkpoint": args.init_from, **start.get("extra", {})}
     print(f"training pairs: {len(task.splits['train']['src'])} (dropped as longer than n_max/tgt_n_max: "
           f"{task.dropped_from_train})")  # fmt: skip
-    train(
-        task,
-        train_config(args),
-        extra={"task": "translate", "data": str(data), "data_meta": meta,
-               "dropped_from_train": task.dropped_from_train},
-    )  # fmt: skip
+    train(task, train_config(args), extra={**extra, "dropped_from_train": task.dropped_from_train})
 
 
 def run_translate_eval(args: argparse.Namespace) -> None:
@@ -171,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     translate.add_argument("--k-cross", type=int, default=0, help="compressed cross-attention length (default k)")
     translate.add_argument("--cross-attention", choices=["linformer", "transformer"],
                            help="decoder attention over the source (default: as --attention)")
+    translate.add_argument("--init-from", help="a translate checkpoint of the same architecture to start from (e.g. "
+                           "one rebuilt from a served bundle by python -m training.recover_translate)")
     add_train_args(translate)
     translate.set_defaults(run=run_translate, n_max=256, n_layers=3, k=[64])
 

@@ -53,6 +53,7 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads; 0 leaves the default
     save_every: int = 500  # steps between mid-epoch checkpoints (for resume)
     eval_every: int = 0  # when > 0, also evaluate on dev every this many steps (pretraining curves)
+    keep_checkpoints: int = 0  # when > 0, also keep the weights of the last N save_every steps (for averaging)
     resume: bool = False
 
 
@@ -81,6 +82,14 @@ def load_pretrained_encoder(model: nn.Module, checkpoint: Path) -> dict:
     encoder = {key.removeprefix("encoder."): weights[key] for key in weights if key.startswith("encoder.")}
     model.encoder.load_state_dict(encoder)
     return pretrained
+
+
+def keep_weights(out: Path, step: int, keep: int, model: nn.Module, extra: dict[str, Any] | None) -> None:
+    """Write the model weights as step-<N>.pt (no optimizer state) and delete all but the newest `keep`."""
+    weights = {"model": model.state_dict(), "model_config": asdict(model.cfg), "step": step, "extra": extra or {}}
+    torch.save(weights, out / f"step-{step}.pt")
+    for old in sorted(out.glob("step-*.pt"), key=lambda path: int(path.stem.split("-")[1]))[:-keep]:
+        old.unlink()
 
 
 def setup_distributed() -> tuple[int, int]:
@@ -198,6 +207,8 @@ def train(task: Task, cfg: TrainConfig, extra: dict[str, Any] | None = None) -> 
             if state["step"] % cfg.save_every == 0:
                 state["elapsed_s"] = time.perf_counter() - started
                 save("last")
+                if cfg.keep_checkpoints and rank == 0:
+                    keep_weights(out, state["step"], cfg.keep_checkpoints, model, extra)
             if state["step"] >= stop_at:
                 break
         else:
