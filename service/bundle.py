@@ -46,13 +46,14 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify_manifest(path: Path) -> set[str]:
-    """Every file listed in manifest.json must exist and match its sha256; returns the names listed."""
+def verify_manifest(path: Path) -> dict[str, Any]:
+    """Every file listed in manifest.json must exist and match its sha256; returns the parsed manifest."""
     manifest_path = path / "manifest.json"
     if not manifest_path.is_file():
         raise BundleError(f"bundle {path} has no manifest.json; re-export it")
     try:
-        files = json.loads(manifest_path.read_text())["files"]
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
     except (ValueError, KeyError, TypeError) as e:
         raise BundleError(f"bundle {path}: manifest.json is unreadable ({e})") from e
     for name, expected in files.items():
@@ -66,13 +67,13 @@ def verify_manifest(path: Path) -> set[str]:
                 f"(sha256 {actual[:12]}..., expected {expected[:12]}...); the bundle is corrupt or was "
                 "edited after export"
             )
-    return set(files)
+    return manifest
 
 
 def load_bundle(path: Path) -> Bundle:
     """Verify then parse a bundle directory; raises BundleError with a message a person can act on."""
     path = Path(path)
-    verified = verify_manifest(path)
+    manifest = verify_manifest(path)
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -100,9 +101,9 @@ def load_bundle(path: Path) -> Bundle:
     except (KeyError, TypeError, ValueError) as e:
         raise BundleError(f"bundle {path}: config.json lacks or mangles a required key ({e})") from e
     for name in ["config.json", "tokenizer.model", *onnx_files.values()]:
-        if name not in verified:
+        if name not in manifest["files"]:
             raise BundleError(f"bundle {path}: {name} is not listed in manifest.json, so it is unverified")
-    budget = json.loads((path / "manifest.json").read_text()).get("batching", {}).get("max_batch_tokens")
+    budget = manifest.get("batching", {}).get("max_batch_tokens")
     if budget is not None:
         if not isinstance(budget, int) or budget < 1:
             raise BundleError(f"bundle {path}: manifest.json batching.max_batch_tokens must be a positive integer, "
