@@ -49,26 +49,23 @@ class Metrics:
             ["route", "reason"], registry=r,
         )
 
-        # label values -> bound child: `.labels()` takes a lock and builds a key on every call, per request
-        self._request_children: dict[tuple[str, int], tuple[Any, Any]] = {}
-        self._batch_children: dict[str, tuple[Any, Any, Any, Any]] = {}
+        # (metric, label values) -> bound child: `.labels()` takes a lock and builds a key on every call
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, bound once: the per-request and per-refusal paths call this."""
+        child = self._children.get((metric, labels))
+        if child is None:
+            child = self._children[metric, labels] = metric.labels(*labels)
+        return child
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
-        children = self._request_children.get((route, status))
-        if children is None:
-            children = self.requests.labels(route, str(status)), self.latency.labels(route)
-            self._request_children[route, status] = children
-        count, latency = children
-        count.inc()
-        latency.observe(seconds)
+        self.child(self.requests, route, str(status)).inc()
+        self.child(self.latency, route).observe(seconds)
 
     def observe_batch(
         self, model: str, *, size: int, real_tokens: int, padded_tokens: int, inference_s: float
     ) -> None:
-        children = self._batch_children.get(model)
-        if children is None:
-            children = tuple(metric.labels(model) for metric in
-                             (self.batch_size, self.real_tokens, self.padded_tokens, self.inference))  # fmt: skip
-            self._batch_children[model] = children
-        for child, value in zip(children, (size, real_tokens, padded_tokens, inference_s), strict=True):
-            child.observe(value)
+        for metric, value in ((self.batch_size, size), (self.real_tokens, real_tokens),
+                              (self.padded_tokens, padded_tokens), (self.inference, inference_s)):  # fmt: skip
+            self.child(metric, model).observe(value)

@@ -133,7 +133,7 @@ class RequestContextMiddleware:
         body = error_body("overloaded", self._at_capacity(path), request_id)
         retry_after = self._refuse(path)
         close = b"connection: close\r\n" if self.state.draining else b""
-        self.metrics.requests.labels(path, "429").inc()
+        self.metrics.child(self.metrics.requests, path, "429").inc()
         access_log.info("request_id=%s method=POST path=%s status=429 duration_ms=0.00 client=%s",
                         request_id, path, (scope.get("client") or ("-", 0))[0])  # fmt: skip
         return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
@@ -143,7 +143,7 @@ class RequestContextMiddleware:
     def _refuse(self, task: str) -> int:
         """Count a refusal at admission; -> Retry-After in seconds: the recent time a request of this task
         spends in the server, by which the requests in progress will be done (Little's law)."""
-        self.metrics.rejected.labels(task, "concurrency").inc()
+        self.metrics.child(self.metrics.rejected, task, "concurrency").inc()
         return max(1, math.ceil(self._latency_s[task]))
 
     def _request_id(self, scope: Scope) -> str:
