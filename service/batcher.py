@@ -186,16 +186,21 @@ class Batcher:
             batch, full = self._plan_batch()
             wait_left = self._queue[0].enqueued_at + self.max_wait_s - time.monotonic()
             if not full and wait_left > 0 and not self._closing:
-                self._wakeup.clear()  # no await since planning: an arrival cannot slip between
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), wait_left)
-                except TimeoutError:
-                    pass
+                await self._wait_for_arrival(wait_left)
                 continue
             taken = set(map(id, batch))
             self._queue = [item for item in self._queue if id(item) not in taken]
             self._set_depth()
             await self._compute(batch)
+
+    async def _wait_for_arrival(self, seconds: float) -> None:
+        """Until a new item is queued or `seconds` pass. Called with no await since the caller planned: the
+        event is cleared before this first suspends, so an arrival cannot slip between planning and waiting."""
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), seconds)
+        except TimeoutError:
+            pass
 
     def _drop_finished(self) -> None:
         """Forget items nobody waits for: cancelled (client gone) or past their deadline."""
@@ -364,11 +369,7 @@ class StepBatcher(Batcher):
             if self._queue and not self._live_items and not self._closing:
                 wait_left = self._queue[0].enqueued_at + self.max_wait_s - time.monotonic()
                 if wait_left > 0 and not self._plan_admission()[1]:
-                    self._wakeup.clear()  # no await since planning: an arrival cannot slip between
-                    try:
-                        await asyncio.wait_for(self._wakeup.wait(), wait_left)
-                    except TimeoutError:
-                        pass
+                    await self._wait_for_arrival(wait_left)
                     continue
             joining, _ = self._plan_admission()
             if joining:
