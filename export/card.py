@@ -51,6 +51,21 @@ def split_count(count: int | dict) -> str:
     return " + ".join(f"{n} {source}" for source, n in count.items())
 
 
+def _command_tail(train: dict, extra: dict) -> str:
+    """The end of a card's training command, shared by both tasks: checkpoint keeping, the start checkpoint, out."""
+    keep = (f" --save-every {train['save_every']} --keep-checkpoints {train['keep_checkpoints']}"
+            if train.get("keep_checkpoints") else "")  # fmt: skip
+    start = f" --data {extra['data']} --init-from {extra['init_from']['checkpoint']}" if extra.get("init_from") else ""
+    return keep + start + " --out RUN`"
+
+
+def _averaged_weights(extra: dict) -> list[str]:
+    if not extra.get("averaged_steps"):
+        return []
+    return [f"- Served weights: the average of the checkpoints at steps {extra['averaged_steps']} "
+            "(`python -m training.average RUN`)."]  # fmt: skip
+
+
 def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "") -> str:
     extra = saved.get("extra", {})
     meta = extra.get("data_meta", {})
@@ -120,14 +135,9 @@ def classifier_card(config: dict, saved: dict, checkpoint: Path, note: str = "")
         f" --n-layers {cfg['n_layers']} --d-ff {cfg['d_ff']} --epochs {train['epochs']} --lr {train['lr']}"
         f" --warmup-steps {train['warmup_steps']} --max-tokens {train['max_tokens']}"
         f" --threads {train['threads']}"
-        + (f" --save-every {train['save_every']} --keep-checkpoints {train['keep_checkpoints']}"
-           if train.get("keep_checkpoints") else "")  # fmt: skip
-        + (f" --data {extra['data']} --init-from {extra['init_from']['checkpoint']}" if extra.get("init_from") else "")
-        + " --out RUN`",
+        + _command_tail(train, extra),
+        *_averaged_weights(extra),
     ]
-    if extra.get("averaged_steps"):
-        lines.append(f"- Served weights: the average of the checkpoints at steps {extra['averaged_steps']} "
-                     "(`python -m training.average RUN`).")  # fmt: skip
     if summary:
         lines += [
             f"- Trained on {summary['processes']} process(es) x {summary['threads_per_process']} CPU thread(s) "
@@ -255,14 +265,9 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
         + (f" --max-steps {train['max_steps']}" if train.get("max_steps") else "")
         + f" --lr {train['lr']} --warmup-steps {train['warmup_steps']} --max-tokens {train['max_tokens']}"
         f" --threads {train['threads']}"
-        + (f" --save-every {train['save_every']} --keep-checkpoints {train['keep_checkpoints']}"
-           if train.get("keep_checkpoints") else "")  # fmt: skip
-        + (f" --data {extra['data']} --init-from {extra['init_from']['checkpoint']}" if extra.get("init_from") else "")
-        + " --out RUN`",
+        + _command_tail(train, extra),
+        *_averaged_weights(extra),
     ]
-    if extra.get("averaged_steps"):
-        lines.append(f"- Served weights: the average of the checkpoints at steps {extra['averaged_steps']} "
-                     "(`python -m training.average RUN`).")  # fmt: skip
     if summary:
         lines += [
             f"- Trained on {summary['processes']} process(es) x {summary['threads_per_process']} CPU thread(s) of a "
