@@ -28,6 +28,7 @@ from onnx import numpy_helper
 from onnxruntime.quantization import QuantType, quantize_dynamic
 
 from export.bundle import versions, write_json, write_manifest
+from service.bundle import BundleError, verify_manifest
 from training.provenance import sha256_of
 
 # Which graph ops get int8 weights. MatMul is every dense layer (q/k/v/out, the MLP, the decoder's output
@@ -36,12 +37,12 @@ OP_TYPES = ("MatMul", "Gather")
 
 
 def verified_files(bundle: Path) -> dict[str, str]:
-    """The bundle's manifest, checked file by file: quantising a corrupt bundle would launder it."""
-    files = json.loads((bundle / "manifest.json").read_text())["files"]
-    for name, expected in files.items():
-        if sha256_of(bundle / name) != expected:
-            raise ValueError(f"{bundle / name} does not match {bundle}/manifest.json; re-export the fp32 bundle")
-    return files
+    """The bundle's manifest, checked file by file as the service checks it: quantising a corrupt bundle would
+    launder it."""
+    try:
+        return verify_manifest(bundle)["files"]
+    except BundleError as e:
+        raise ValueError(f"{e}; re-export the fp32 bundle") from None
 
 
 def fold_weight_transposes(model: onnx.ModelProto) -> int:
