@@ -10,6 +10,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from service.bundle import load_bundle  # noqa: E402
+from service.config import Settings  # noqa: E402
 from service.runtime import CPU, ClassifierRuntime, make_session, probabilities  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 
@@ -18,9 +19,10 @@ class BundleClassifier:
     def __init__(self, bundle_dir: str):
         self.bundle = load_bundle(Path(bundle_dir))
         self.tokenizer = Tokenizer.from_bundle(self.bundle)
+        # the service's classifier session (service/app.py): ORT's arena on, shrunk after big batches
         session = make_session(self.bundle.onnx_path("model"), [CPU], intra_op_threads=1, inter_op_threads=1,
-                               cpu_mem_arena=False)  # fmt: skip
-        self.runtime = ClassifierRuntime(session)
+                               cpu_mem_arena=True)  # fmt: skip
+        self.runtime = ClassifierRuntime(session, shrink_from_tokens=Settings().ort_arena_shrink_tokens)
 
     def classify(self, texts: list[str]) -> list[dict]:
         """Texts -> one result per text, as the service answers them (truncating texts over n_max)."""
