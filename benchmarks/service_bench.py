@@ -206,7 +206,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
-        self._log.close()
+        if self.proc is not None:  # started (a server after one that failed to start never was)
+            self._log.close()
 
 
 def make_servers(bundle: Bundle, text: str, peers: list[str], peers_python: str,

@@ -10,7 +10,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from service.bundle import load_bundle  # noqa: E402
-from service.config import Settings  # noqa: E402
 from service.runtime import CPU, ClassifierRuntime, make_session, probabilities  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 
@@ -19,10 +18,11 @@ class BundleClassifier:
     def __init__(self, bundle_dir: str):
         self.bundle = load_bundle(Path(bundle_dir))
         self.tokenizer = Tokenizer.from_bundle(self.bundle)
-        # the service's classifier session (service/app.py): ORT's arena on, shrunk after big batches
+        # the service's classifier session (service/app.py): ORT's arena on, shrunk after batches of 4096 padded
+        # tokens or more (LINFORMER_ORT_ARENA_SHRINK_TOKENS' default; the peers' venv has no pydantic-settings)
         session = make_session(self.bundle.onnx_path("model"), [CPU], intra_op_threads=1, inter_op_threads=1,
                                cpu_mem_arena=True)  # fmt: skip
-        self.runtime = ClassifierRuntime(session, shrink_from_tokens=Settings().ort_arena_shrink_tokens)
+        self.runtime = ClassifierRuntime(session, shrink_from_tokens=4096)
 
     def classify(self, texts: list[str]) -> list[dict]:
         """Texts -> one result per text, as the service answers them (truncating texts over n_max)."""
