@@ -16,7 +16,6 @@ CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
 
-
 def _load_malloc_trim():
     libc_name = ctypes.util.find_library("c")
     try:
