@@ -82,11 +82,12 @@ def text_of_length(tokenizer: Tokenizer, n_tokens: int) -> tuple[str, list[int]]
 
 
 def model_alone(bundle: Bundle, ids: list[int], seconds: float) -> dict:
-    """On the servers' core, one ORT thread, the service's session settings: texts/s and CPU ms per text at
-    each batch size, and the batch-1 p50 latency."""
+    """On the servers' core, one ORT thread, the service's session settings (its classifier's, service/app.py:
+    ORT's CPU arena and memory patterns on; these batches stay below the size after which it shrinks the arena):
+    texts/s and CPU ms per text at each batch size, and the batch-1 p50 latency."""
     pin_to({int(SERVER_CORE)})
     session = make_session(bundle.onnx_path("model"), [CPU], intra_op_threads=1, inter_op_threads=1,
-                           cpu_mem_arena=False)  # fmt: skip
+                           cpu_mem_arena=True)  # fmt: skip
     rates, cpu_ms = {}, {}
     for batch in BATCH_SIZES:
         array = np.array([ids] * batch, dtype=np.int64)
@@ -177,6 +178,12 @@ class Server:
                 pass
         return total
 
+    def main_thread_cpu_seconds(self) -> float:
+        """User + system CPU of the root process's main thread: for this service, the event loop (HTTP, parsing,
+        tokenising, answers); its inference thread and the rest of the tree make up the difference."""
+        fields = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def batches(self) -> tuple[float, float]:
         """(texts, batches) computed so far, from the server's own metrics."""
         if self.batch_metrics is None:
@@ -199,11 +206,12 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
-        self._log.close()
+        if self.proc is not None:  # started (a server after one that failed to start never was)
+            self._log.close()
 
 
 def make_servers(bundle: Bundle, text: str, peers: list[str], peers_python: str,
-                 baseline: tuple[str, Path] | None) -> list[Server]:  # fmt: skip
+                 baselines: list[tuple[str, Path, dict[str, str]]]) -> list[Server]:  # fmt: skip
     service_env = {
         "LINFORMER_MODELS_DIR": str(bundle.path.resolve().parent), "LINFORMER_CLASSIFY_MODEL": bundle.path.name,
         "LINFORMER_TRANSLATE_MODEL": "", "LINFORMER_LOG_LEVEL": "warning",
@@ -214,10 +222,11 @@ def make_servers(bundle: Bundle, text: str, peers: list[str], peers_python: str,
     servers = [Server("this service", [sys.executable, "-m", "service", "--port", "{port}"], service_env, "/classify",
                       json.dumps({"text": text}).encode(), "/readyz",
                       ("linformer_batch_size_sum", "linformer_batch_size_count"))]  # fmt: skip
-    if baseline is not None:  # the service as it was at an earlier commit, same settings
-        ref, checkout = baseline
-        ours = servers[0]
-        servers.append(Server(f"service at {ref}", list(ours.command), service_env, ours.path, ours.body,
+    ours = servers[0]
+    for ref, checkout, env in baselines:  # the service as it was at an earlier commit, same settings (+ env)
+        settings = "".join(f", {key.removeprefix('LINFORMER_')}={value}" for key, value in env.items())
+        name = f"service at {ref}{settings}"
+        servers.append(Server(name, list(ours.command), {**service_env, **env}, ours.path, ours.body,
                               ours.ready_path, ours.batch_metrics, cwd=checkout))  # fmt: skip
     peer_env = {"LINFORMER_BUNDLE": str(bundle.path), "OMP_NUM_THREADS": "1"}
     if "mosec" in peers:
@@ -296,23 +305,27 @@ def wrk(server: Server, connections: int, seconds: float) -> dict:
 def measure(server: Server, connections: int, seconds: float, model: dict) -> dict:
     wrk(server, connections, min(3.0, seconds))  # warm up at the measured concurrency
     texts0, batches0 = server.batches()
-    cpu0 = server.cpu_seconds()
+    cpu0, loop0 = server.cpu_seconds(), server.main_thread_cpu_seconds()
     result = wrk(server, connections, seconds)
-    cpu1 = server.cpu_seconds()
+    cpu1, loop1 = server.cpu_seconds(), server.main_thread_cpu_seconds()
     texts1, batches1 = server.batches()
     mean_batch = (texts1 - texts0) / (batches1 - batches0) if batches1 > batches0 else float("nan")
     cpu_ms = (cpu1 - cpu0) / max(result["requests"], 1) * 1000
+    loop_ms = (loop1 - loop0) / max(result["requests"], 1) * 1000
     outside = cpu_ms - model_cpu_ms_at(model, mean_batch) if mean_batch == mean_batch else float("nan")
     return {**result, "mean_batch": mean_batch, "cpu_ms_per_request": cpu_ms, "cpu_ms_outside_run": outside,
-            "ratio_to_model": result["rps"] / model["best_rate"]}  # fmt: skip
+            "main_thread_cpu_ms": loop_ms, "ratio_to_model": result["rps"] / model["best_rate"]}  # fmt: skip
 
 
-def record_flame(server: Server, out: Path, seconds: float) -> None:
-    """py-spy on the service at 64 connections (not during a measured run: sampling costs the server CPU)."""
+def record_flame(server: Server, out: Path, seconds: float, native: bool = False) -> None:
+    """py-spy on the service at 64 connections (not during a measured run: sampling costs the server CPU).
+    `native` adds the C/C++ frames (ONNX Runtime, SentencePiece, uvloop); py-spy must then stop the process for
+    each sample, so it samples less often."""
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     svg = out.with_suffix(".svg")
+    sampling = ["--native", "-r", "100"] if native else ["-r", "250", "--nonblocking"]
     recorder = subprocess.Popen([py_spy, "record", "-p", str(server.proc.pid), "-o", str(svg), "-d", f"{seconds:g}",
-                                 "-r", "250", "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                 "--threads", *sampling], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wrk(server, 64, seconds)
     recorder.wait()
     if shutil.which("rsvg-convert") and svg.exists():  # apt install librsvg2-bin
@@ -346,7 +359,8 @@ def peer_versions(peers_python: str) -> dict:
 def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict, results: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fields = ["tokens", "server", "connections", "rps", "p50_ms", "p99_ms", "cpu_ms_per_request",
-              "cpu_ms_outside_run", "mean_batch", "ratio_to_model", "requests", "non_2xx", "socket_errors"]
+              "cpu_ms_outside_run", "main_thread_cpu_ms", "mean_batch", "ratio_to_model", "requests", "non_2xx",
+              "socket_errors"]
     with (out / f"{stem}.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -383,7 +397,9 @@ def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict,
         "batch wait, the bundle's measured token budget), log level warning. Mosec: one worker, max_batch_size 32, "
         "max_wait_time 1 ms (its smallest). Triton: PyTriton, max_batch_size 32, max_queue_delay_microseconds 0.",
         "- CPU outside session.run: the server's CPU (whole process tree) per request minus the model's CPU per "
-        "text at the mean batch size that server formed (from its own metrics), as measured alone in this run.",
+        "text at the mean batch size that server formed (from its own metrics), as measured alone in this run. "
+        "Main thread CPU: the part on the server process's main thread (this service: the event loop; the rest "
+        "is its inference thread, session.run included).",
         "",
     ]
     for tokens, per_length in results.items():
@@ -398,20 +414,25 @@ def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict,
             f"**{model['batch1_p50_ms']:.3f} ms**.",
             "",
             "| server | connections | req/s | / model alone | p50 (ms) | p99 (ms) | CPU/request (ms) | "
-            "CPU outside session.run (ms) | mean batch | non-2xx | socket errors |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "CPU outside session.run (ms) | main thread CPU (ms) | mean batch | non-2xx | socket errors |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in per_length["rows"]:
             lines.append(
                 f"| {row['server']} | {row['connections']} | {row['rps']:.0f} | {row['ratio_to_model']:.2f} | "
                 f"{row['p50_ms']:.2f} | {row['p99_ms']:.1f} | {row['cpu_ms_per_request']:.3f} | "
-                f"{row['cpu_ms_outside_run']:.3f} | {row['mean_batch']:.1f} | {row['non_2xx']} | "
-                f"{row['socket_errors'] or '-'} |"
+                f"{row['cpu_ms_outside_run']:.3f} | {main_thread_cell(row)} | {row['mean_batch']:.1f} | "
+                f"{row['non_2xx']} | {row['socket_errors'] or '-'} |"
             )
         lines.append("")
     lines += ["## Goals (issue #20)", "", *goals(results), "", f"![results]({stem}.png)", ""]
     (out / f"{stem}.md").write_text("\n".join(lines))
     plot(out / f"{stem}.png", bundle, info, results)
+
+
+def main_thread_cell(row: dict) -> str:
+    """Only this service's main thread is one part of its work (the event loop); the peers' are not."""
+    return f"{row['main_thread_cpu_ms']:.3f}" if row["server"] != "Mosec" and "Triton" not in row["server"] else "-"
 
 
 def goals(results: dict) -> list[str]:
@@ -491,8 +512,9 @@ def main() -> None:
     parser.add_argument("--peers-python", default=str(REPO / ".venv-peers" / "bin" / "python"),
                         help="a venv with `pip install -e '.[peers]'` (Mosec, PyTriton)")
     parser.add_argument("--flame", action="store_true", help="also record a py-spy flame graph of the service")
-    parser.add_argument("--baseline", metavar="GIT_REF",
-                        help="also serve with service/ as it was at this commit (git archive), for a before/after")
+    parser.add_argument("--baseline", metavar="GIT_REF[,KEY=VALUE...]", nargs="*", default=[],
+                        help="also serve with service/ as it was at these commits (git archive), for a before/after, "
+                        "each with LINFORMER_* settings of its own (e.g. 0cd131b,LINFORMER_MAX_BATCH_TOKENS=128)")
     args = parser.parse_args()
 
     if shutil.which("wrk") is None:
@@ -509,21 +531,22 @@ def main() -> None:
     tokenizer = Tokenizer.from_bundle(bundle)
     pin_to({int(LOAD_CORE)})
     logs = Path(tempfile.mkdtemp(prefix="service-bench-"))
-    baseline = None
-    if args.baseline:
-        checkout = logs / "baseline"
+    baselines = []
+    for index, spec in enumerate(args.baseline):
+        ref, *assignments = spec.split(",")
+        checkout = logs / f"baseline-{index}"
         checkout.mkdir()
-        archive = subprocess.run(["git", "archive", args.baseline, "service"], cwd=REPO, capture_output=True,
+        archive = subprocess.run(["git", "archive", ref, "service"], cwd=REPO, capture_output=True,
                                  check=True).stdout  # fmt: skip
         subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
-        baseline = (args.baseline, checkout)
+        baselines.append((ref, checkout, dict(assignment.split("=", 1) for assignment in assignments)))
     results: dict[int, dict] = {}
     for tokens in args.tokens:
         text, ids = text_of_length(tokenizer, min(tokens, bundle.n_max))
         model = model_alone(bundle, ids, seconds=min(2.0, args.seconds))
         print(f"{len(ids)} tokens, model alone: " + ", ".join(f"b{b} {r:.0f}/s" for b, r in model["rates"].items())
               + f"; batch-1 p50 {model['batch1_p50_ms']:.3f} ms", flush=True)  # fmt: skip
-        servers = make_servers(bundle, text, peers, args.peers_python, baseline)
+        servers = make_servers(bundle, text, peers, args.peers_python, baselines)
         rows = []
         try:
             for server in servers:
@@ -538,8 +561,10 @@ def main() -> None:
                           f"ms, CPU/req {row['cpu_ms_per_request']:.3f} (outside run {row['cpu_ms_outside_run']:.3f})"
                           f" ms, batch {row['mean_batch']:.1f}, non-2xx {row['non_2xx']}, socket errors "
                           f"{row['socket_errors'] or 'none'}", flush=True)  # fmt: skip
-            if args.flame and tokens == 64:
-                record_flame(servers[0], args.out / f"service_flame_{bundle.name}", args.seconds)
+            if args.flame and tokens in (64, 512):  # 512: native frames too, to see inside session.run
+                suffix = "" if tokens == 64 else f"-{tokens}-native"
+                record_flame(servers[0], args.out / f"service_flame_{bundle.name}{suffix}", args.seconds,
+                             native=tokens == 512)  # fmt: skip
         finally:
             for server in servers:
                 server.stop()

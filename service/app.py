@@ -39,10 +39,9 @@ RuntimeWrapper = Callable[[ClassifierRuntime | TranslatorRuntime], Any]
 def make_runtime(bundle: Bundle, providers: list[str], settings: Settings):
     """The bundle's ONNX sessions behind the runtime's `run`, warmed up once."""
 
-    def session(role: str):
+    def session(role: str, cpu_mem_arena: bool = settings.ort_cpu_mem_arena):
         return make_session(bundle.onnx_path(role), providers, intra_op_threads=settings.ort_intra_op_threads,
-                            inter_op_threads=settings.ort_inter_op_threads,
-                            cpu_mem_arena=settings.ort_cpu_mem_arena)  # fmt: skip
+                            inter_op_threads=settings.ort_inter_op_threads, cpu_mem_arena=cpu_mem_arena)  # fmt: skip
 
     ids, mask = np.full((1, 8), bundle.eos_id, dtype=np.int64), np.ones((1, 8), dtype=np.int64)
     if bundle.task == "translate":
@@ -54,7 +53,9 @@ def make_runtime(bundle: Bundle, providers: list[str], settings: Settings):
         )  # fmt: skip
         runtime.run(ids, mask, (1, 4))  # the first runs allocate and pick kernels: not in someone's request
         return runtime
-    runtime = ClassifierRuntime(session("model"))
+    # the classifier always has its arena; it is shrunk after big batches unless told to keep its peak
+    shrink_from_tokens = None if settings.ort_cpu_mem_arena else settings.ort_arena_shrink_tokens
+    runtime = ClassifierRuntime(session("model", cpu_mem_arena=True), shrink_from_tokens=shrink_from_tokens)
     runtime.run(np.full((1, 8), bundle.bos_id, dtype=np.int64), mask)
     return runtime
 

@@ -68,9 +68,15 @@ class Settings(BaseSettings):
     ort_intra_op_threads: int = Field(0, ge=0)  # 0 = ORT default (one per physical core)
     ort_inter_op_threads: int = Field(0, ge=0)
     execution_provider: Literal["auto", "cpu", "cuda"] = "auto"
-    # ORT's CPU arena (and its memory patterns) keep the peak of the largest batch ever run: after one 64-text
-    # beam-8 translation the idle server kept 85 MB more with it, 12 MB without (benchmarks/results/memory.md)
+    # ORT's CPU arena (and its memory patterns) keep what a run allocated for the next runs. Without it every run
+    # allocates afresh, which made classify batches of 8+ 1.5-3x slower per text; kept for the life of the
+    # process, one huge batch's peak stays (85 MB more after one 64-text beam-8 translation,
+    # benchmarks/results/memory.md). So, false (the default): the classifier keeps its arena but hands it back
+    # after any batch of at least ort_arena_shrink_tokens padded tokens, and the translator, whose every batch
+    # is big, runs without one. true: every session keeps its arena's peak.
     ort_cpu_mem_arena: bool = False
+    # one text at the classify bundles' n_max (4096): normal batches (the calibrated budget) stay below it
+    ort_arena_shrink_tokens: int = Field(4096, ge=1)
 
     # server
     host: str = "127.0.0.1"
