@@ -15,8 +15,11 @@ log = logging.getLogger(__name__)
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
-# A batch this big (padded input tokens) or any translation batch is followed by `_return_freed_memory`
+# A batch this big (padded input tokens) is followed by `_return_freed_memory`
 BIG_BATCH_TOKENS = 1 << 16
+# ... and so is a decode whose buffers reached this size (a small one's pages are reused by the next; trimming
+# them costs ~0.2 ms per request plus the page faults of taking them back, 5-10 % of a single-stream sentence)
+BIG_DECODE_BYTES = 16 << 20
 
 
 def _load_malloc_trim():
@@ -171,8 +174,9 @@ class TranslatorRuntime:
                 outputs.update(finished)
             return [outputs[row] for row in range(len(input_ids))]
         finally:
-            del live
-            _return_freed_memory()  # a decode allocates per step; trimming costs ~1 ms against tens of ms
+            if live.peak_bytes >= BIG_DECODE_BYTES:
+                del live
+                _return_freed_memory()
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> list[np.ndarray]:
         """Padded sources -> cross keys/values per decoder layer (rows, H, S', hd) and cross_mask (rows, S')."""
@@ -276,6 +280,10 @@ class _DecodeBuffers:
                 mine[:n] = theirs[:n]
             self.rows = n
 
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.cache.values(), *self.cross.values(), self.logits))
+
     def bind(self) -> ort.IOBinding:
         """The decoder's inputs and outputs as views of the first `rows` rows (no copies)."""
         if self.binding is not None:
@@ -344,12 +352,14 @@ class LiveDecode:
     """
 
     def __init__(self, runtime: TranslatorRuntime, *, trim_when_idle: bool = False):
-        """`trim_when_idle`: give freed heap pages back to the OS whenever the last source leaves (as `run` does
-        after each batch), so a burst does not leave a long-lived decode loop's process at its peak."""
+        """`trim_when_idle`: give freed heap pages back to the OS when the last source leaves after buffers of
+        BIG_DECODE_BYTES or more (as `run` does after such a batch), so a burst does not leave a long-lived decode
+        loop's process at its peak."""
         self.runtime = runtime
         self.trim_when_idle = trim_when_idle
         self.searches: list[_Search] = []
         self.buffers: _DecodeBuffers | None = None
+        self.peak_bytes = 0  # the largest buffers held since the last trim
 
     @staticmethod
     def rows_for(options) -> int:
@@ -396,6 +406,7 @@ class LiveDecode:
             capacity = b.capacity
         memory = _round_memory(max(memory, b.memory if b else 0))
         self.buffers = _DecodeBuffers(self.runtime, capacity, memory, old=b)
+        self.peak_bytes = max(self.peak_bytes, self.buffers.nbytes)
 
     def step(self) -> StepOutcome:
         """One decoder call for every live row -> (sources whose search ended: their tokens, sources whose decoder
@@ -439,8 +450,9 @@ class LiveDecode:
         buffer narrows when its longest sources have gone, and nothing is held once nobody is live."""
         if not self.searches:
             self.buffers = None
-            if self.trim_when_idle:
+            if self.trim_when_idle and self.peak_bytes >= BIG_DECODE_BYTES:
                 _return_freed_memory()
+                self.peak_bytes = 0
             return
         b = self.buffers
         live = np.concatenate([search.rows for search in self.searches])
