@@ -39,8 +39,8 @@ class Settings(BaseSettings):
     # How /translate schedules decoding (policy in service/batcher.py). "step": continuous batching, new
     # sources join the decode loop between decoder steps and finished ones answer at once; "request": a batch
     # of whole requests decodes until its last sentence ends while later arrivals wait (the behaviour before
-    # step-level batching). "request" stays the default: on the 2-core VM step scheduling cut the median latency
-    # of short requests at 4 and 16 users but lost 16-user throughput (benchmarks/results/stepbatch.md).
+    # step-level batching). "request" stays the default: on the 2-core VM step scheduling cut short requests'
+    # latency at 4 users but got 0.59x of request-level throughput at 16 (benchmarks/results/translate-load.md).
     translate_scheduling: Literal["step", "request"] = "request"
     # deadline for an answer, queue wait and compute: queued texts past it are not computed, and a
     # translation batch whose requests are all gone or past it stops decoding
