@@ -1,196 +1,220 @@
-"""Benchmark decoding on a translation bundle: the key/value cache vs recomputing the prefix (not a test).
+"""One decoder step, torch form vs step form: time per call, graph size and where the time goes (a benchmark).
 
-Both modes run the bundle's own decoder.onnx under ONNX Runtime and produce the same greedy tokens:
-- cache: each step feeds only the newest token and the cache of the previous steps;
-- recompute: each step feeds the whole prefix [BOS, y1, ..., yt] with an empty cache, as a decoder
-  without a cache must.
-Every run decodes exactly `steps` tokens (EOS does not stop it), so both modes do the same number of
-steps; tokens/s = batch x steps / seconds, the encoder included once per run in both. Modes are
-interleaved (A B A B) and the median of the repeats is reported. Writes CSV + Markdown + PNG.
+- torch form: decoder.onnx as torch.onnx.export writes it (the bundles before the step form; take it from git
+  history, see below), fed the whole cache as numpy arrays and returning the grown cache (`present`), as the
+  runtime called it before;
+- step form: the bundle's decoder.onnx now (export/step_decoder.py), with its cache buffers and every input and
+  output bound once (IO binding, as service/runtime.py's LiveDecode binds them); a call is run_with_iobinding.
 
-    python benchmarks/decode_bench.py --bundle models/translate-linformer [--out benchmarks/results]
+For each batch (rows) and cache length (target tokens already decoded, the same for every row) the two take turns
+call by call, `--calls` calls each, median of `--rounds` rounds. The source (cross keys) is --memory positions.
+Also: the node count after ONNX Runtime's optimiser (ORT_ENABLE_ALL) of each graph, the fixed cost of a
+session.run on a one-node graph, and for the step form ORT's profiler split of one call by operator (profiling
+slows every node down, so the split is a share, not a time). Writes CSV + Markdown + PNG.
+
+    git show 0cd131b:models/translate-transformer/decoder.onnx > .cache/torch-form-decoder.onnx
+    .venv/bin/python -m benchmarks.decode_bench --torch-form .cache/torch-form-decoder.onnx
 """
 
+from __future__ import annotations
+
 import argparse
-import csv
-import datetime as dt
 import json
-import os
-import platform
 import statistics
 import sys
+import tempfile
 import time
-from importlib import metadata
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from service.bundle import load_bundle  # noqa: E402
-from service.runtime import make_session  # noqa: E402
-from service.tokenizer import Tokenizer  # noqa: E402
-
-SOURCES = [
-    "Click the Insert tab and choose a table.",
-    "The selected cells are copied to the clipboard.",
-    "Opens a dialog where you can define the page style.",
-    "Select the text that you want to format, then choose Format - Character.",
-    "This function returns the number of days between two dates.",
-    "Enter the name of the new database in the box.",
-    "If the check box is selected, the changes are saved automatically.",
-    "Choose Tools - Options - LibreOffice Writer - General.",
-]
+from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
 
 
-class Decoder:
-    def __init__(self, bundle_path: Path, threads: int):
-        bundle = load_bundle(bundle_path)
-        self.config = bundle.config
-        self.bos_id = bundle.bos_id
-        self.tokenizer = Tokenizer.from_bundle(bundle)
-        self.encoder = make_session(bundle.onnx_path("encoder"), ["CPUExecutionProvider"], intra_op_threads=threads)
-        self.decoder = make_session(bundle.onnx_path("decoder"), ["CPUExecutionProvider"], intra_op_threads=threads)
-        layers = self.config["n_decoder_layers"]
-        kinds = [(i, kind) for i in range(layers) for kind in ("key", "value")]
-        self.past = [f"past_{kind}_{i}" for i, kind in kinds]
-        self.present = [f"present_{kind}_{i}" for i, kind in kinds]
-        self.cross = [f"cross_{kind}_{i}" for i, kind in kinds] + ["cross_mask"]
-
-    def sources(self, batch: int) -> tuple[np.ndarray, np.ndarray]:
-        ids = [e.ids for e in self.tokenizer.encode_all([SOURCES[i % len(SOURCES)] for i in range(batch)],
-                                                          truncate=True)]  # fmt: skip
-        longest = max(map(len, ids))
-        input_ids = np.zeros((batch, longest), np.int64)
-        mask = np.zeros((batch, longest), np.int64)
-        for row, seq in enumerate(ids):
-            input_ids[row, : len(seq)], mask[row, : len(seq)] = seq, 1
-        return input_ids, mask
-
-    def empty(self, batch: int) -> dict[str, np.ndarray]:
-        shape = (batch, self.config["n_heads"], 0, self.config["head_dim"])
-        return {name: np.zeros(shape, np.float32) for name in self.past}
-
-    def run(self, input_ids: np.ndarray, mask: np.ndarray, steps: int, cached: bool) -> np.ndarray:
-        """Greedy-decode exactly `steps` tokens; returns them (batch, steps)."""
-        batch = len(input_ids)
-        cross = dict(zip(self.cross, self.encoder.run(self.cross, {"input_ids": input_ids, "attention_mask": mask}),
-                         strict=True))  # fmt: skip
-        prefix = np.full((batch, 1), self.bos_id, np.int64)
-        past = self.empty(batch)
-        for _ in range(steps):
-            if cached:
-                logits, *presents = self.decoder.run(["logits", *self.present],
-                                                     {"input_ids": prefix[:, -1:], **cross, **past})  # fmt: skip
-                past = dict(zip(self.past, presents, strict=True))
-            else:
-                logits = self.decoder.run(["logits"], {"input_ids": prefix, **cross, **self.empty(batch)})[0]
-            prefix = np.concatenate([prefix, logits[:, -1].argmax(-1)[:, None]], axis=1)
-        return prefix[:, 1:]
+def session(path: Path, *, profile: bool = False, optimized: Path | None = None) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    options.enable_profiling = profile
+    if optimized is not None:
+        options.optimized_model_filepath = str(optimized)
+    return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
 
 
-def machine() -> dict[str, str]:
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"nproc": str(os.cpu_count()), "cpu": model, "platform": platform.platform()}
+class Calls:
+    """One decoder call, ready to repeat, for `rows` rows with `cached` tokens decoded."""
+
+    def __init__(self, decoder: ort.InferenceSession, config: dict, rows: int, cached: int, memory: int, step: bool):
+        rng = np.random.default_rng(0)
+        layers, heads, head_dim = config["n_decoder_layers"], config["n_heads"], config["head_dim"]
+        names = [f"{{}}_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
+        cross = {n.format("cross"): rng.standard_normal((rows, heads, memory, head_dim), np.float32) for n in names}
+        cross["cross_mask"] = np.ones((rows, memory), bool)
+        tokens = np.full((rows, 1), 5, np.int64)
+        self.decoder = decoder
+        if not step:
+            past = {n.format("past"): rng.standard_normal((rows, heads, cached, head_dim), np.float32) for n in names}
+            self.feeds = {"input_ids": tokens, **cross, **past}
+            self.outputs = ["logits", *[n.format("present") for n in names]]
+            self.call = lambda: decoder.run(self.outputs, self.feeds)
+            return
+        self.keep = [tokens, np.full(rows, cached, np.int32), np.array([cached + 1], np.int32),
+                     np.empty((rows, config["vocab_size"]), np.float32)]  # fmt: skip
+        self.keep += [np.zeros((rows, heads, config["tgt_n_max"], head_dim), np.float32) for _ in names]
+        self.binding = binding = decoder.io_binding()
+
+        def bind(name: str, array: np.ndarray, output: bool = False) -> None:
+            (binding.bind_output if output else binding.bind_input)(name, "cpu", 0, array.dtype, list(array.shape),
+                                                                    array.ctypes.data)  # fmt: skip
+
+        for name, array in zip(("input_ids", "past_lengths", "total_length"), self.keep, strict=False):
+            bind(name, array)
+        bind("logits", self.keep[3], output=True)
+        for name, array in cross.items():
+            self.keep.append(array)
+            bind(name, array)
+        for name, cache in zip(names, self.keep[4:], strict=False):
+            bind(name.format("past"), cache)
+            bind(name.format("present"), cache, output=True)
+        self.call = lambda: decoder.run_with_iobinding(binding)
 
 
-def versions() -> dict[str, str]:
-    return {"python": platform.python_version(),
-            **{name: metadata.version(name) for name in ("onnxruntime", "numpy", "sentencepiece")}}  # fmt: skip
+def time_calls(calls: dict[str, Calls], n: int, rounds: int) -> dict[str, float]:
+    """Median over rounds of the mean ms per call, the forms taking turns call by call."""
+    for c in calls.values():
+        for _ in range(10):
+            c.call()
+    per_round: dict[str, list[float]] = defaultdict(list)
+    for _ in range(rounds):
+        spent = dict.fromkeys(calls, 0.0)
+        for _ in range(n):
+            for form, c in calls.items():
+                started = time.perf_counter()
+                c.call()
+                spent[form] += time.perf_counter() - started
+        for form in calls:
+            per_round[form].append(1000 * spent[form] / n)
+    return {form: statistics.median(times) for form, times in per_round.items()}
+
+
+def optimized_nodes(path: Path) -> Counter:
+    with tempfile.TemporaryDirectory() as tmp:
+        session(path, optimized=Path(tmp) / "optimized.onnx")
+        return Counter(node.op_type for node in onnx.load(str(Path(tmp) / "optimized.onnx")).graph.node)
+
+
+def run_overhead_us(n: int = 5000) -> float:
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx.save(helper.make_model(graph), str(Path(tmp) / "identity.onnx"))
+        one = session(Path(tmp) / "identity.onnx")
+    x = np.zeros(1, np.float32)
+    started = time.perf_counter()
+    for _ in range(n):
+        one.run(None, {"x": x})
+    return 1e6 * (time.perf_counter() - started) / n
+
+
+def operator_split(path: Path, config: dict, rows: int, cached: int, memory: int, n: int = 300) -> list[dict]:
+    decoder = session(path, profile=True)  # writes its trace in the working directory; removed below
+    calls = Calls(decoder, config, rows, cached, memory, step=True)
+    for _ in range(n):
+        calls.call()
+    trace_file = Path(decoder.end_profiling())
+    trace = json.loads(trace_file.read_text())
+    trace_file.unlink()
+    by_op: Counter = Counter()
+    for event in trace:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            by_op[event["args"]["op_name"]] += event["dur"]
+    total = sum(by_op.values())
+    return [{"operator": op, "share_of_kernel_time": f"{100 * t / total:.1f} %"} for op, t in by_op.most_common()]
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['rows']} rows, {r['cached']} cached" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(x - 0.2, [r["torch_form_ms"] for r in rows], 0.4, label="torch form (whole cache in and out)")
+    ax.bar(x + 0.2, [r["step_form_ms"] for r in rows], 0.4, label="step form (IO-bound buffers, GQA in place)")
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_ylabel("ms per decoder call (1 thread)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bundle", type=Path, default=REPO / "models" / "translate-linformer")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--steps", type=int, nargs="+", default=[32, 64, 128])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="ORT intra-op threads")
+    parser.add_argument("--bundle", type=Path, default=REPO / "models" / "translate-transformer")
+    parser.add_argument("--torch-form", type=Path, required=True, help="the torch-form decoder.onnx of that bundle")
+    parser.add_argument("--rows", default="1,16", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--cached", default="20,200", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--memory", type=int, default=32, help="source positions (cross keys)")
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "decode-step")
     args = parser.parse_args(argv)
-
-    decoder = Decoder(args.bundle, args.threads)
+    load_before = load_average()
+    config = json.loads((args.bundle / "config.json").read_text())
+    step_path = args.bundle / "decoder.onnx"
+    forms = {"torch_form": session(args.torch_form), "step_form": session(step_path)}
     rows = []
-    for batch in args.batches:
-        input_ids, mask = decoder.sources(batch)
-        for steps in args.steps:
-            times: dict[str, list[float]] = {"cache": [], "recompute": []}
-            outputs = {}
-            decoder.run(input_ids, mask, 4, True)  # warm-up
-            for _ in range(args.repeats):  # interleaved: A B A B
-                for mode in ("cache", "recompute"):
-                    started = time.perf_counter()
-                    outputs[mode] = decoder.run(input_ids, mask, steps, mode == "cache")
-                    times[mode].append(time.perf_counter() - started)
-            same = bool((outputs["cache"] == outputs["recompute"]).all())
-            cache_s, recompute_s = statistics.median(times["cache"]), statistics.median(times["recompute"])
-            row = {
-                "batch": batch, "steps": steps,
-                "cache_tokens_per_s": round(batch * steps / cache_s, 1),
-                "recompute_tokens_per_s": round(batch * steps / recompute_s, 1),
-                "speedup": round(recompute_s / cache_s, 2), "same_tokens": same,
-            }  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"decode-cache-{args.bundle.name}"
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    command = "python benchmarks/decode_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    info = machine()
-    lines = [
-        f"# Decoding with the key/value cache vs recomputing the prefix: {args.bundle.name}",
+    for batch in args.rows:
+        for cached in args.cached:
+            calls = {form: Calls(s, config, batch, cached, args.memory, step=form == "step_form")
+                     for form, s in forms.items()}
+            ms = time_calls(calls, args.calls, args.rounds)
+            rows.append({"rows": batch, "cached": cached, "memory": args.memory,
+                         "torch_form_ms": round(ms["torch_form"], 4), "step_form_ms": round(ms["step_form"], 4),
+                         "torch_form_over_step_form": round(ms["torch_form"] / ms["step_form"], 2),
+                         "load": load_average()})  # fmt: skip
+            print(rows[-1], flush=True)
+    nodes = {"torch form": optimized_nodes(args.torch_form), "step form": optimized_nodes(step_path)}
+    overhead = run_overhead_us()
+    split = operator_split(step_path, config, 1, args.cached[0], args.memory)
+    write_csv(args.out.with_suffix(".csv"), rows)
+    plot(rows, args.out.with_suffix(".png"))
+    lines = header("One decoder step: torch form vs step form", ("onnxruntime", "numpy"), load_before)
+    lines += [
+        f"Bundle `{args.bundle.name}` (d 128, 3 decoder layers, vocabulary 8000), 1 ORT thread, source of "
+        f"{args.memory} positions; the two forms take turns call by call, {args.calls} calls per round, median of "
+        f"{args.rounds} rounds.",
         "",
-        f"- Command: `{command.strip()}`",
-        f"- Date: {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- Machine: {info['cpu']}, nproc {info['nproc']}, {info['platform']}; ONNX Runtime CPU, "
-        f"{args.threads} intra-op thread(s)",
-        f"- Versions: {versions()}",
-        f"- Model: {decoder.config['attention']}, {decoder.config['n_decoder_layers']} decoder layers, "
-        f"d_model {decoder.config['n_heads'] * decoder.config['head_dim']}, vocabulary {decoder.config['vocab_size']}",
-        f"- Greedy decoding of exactly `steps` tokens per sentence; median of {args.repeats} interleaved repeats; "
-        "both modes produce the same tokens (`same_tokens`).",
+        *markdown_table(rows, {"rows": "rows", "cached": "cached tokens", "torch_form_ms": "torch form ms/call",
+                               "step_form_ms": "step form ms/call",
+                               "torch_form_over_step_form": "torch / step", "load": "load"}),  # fmt: skip
         "",
-        "| batch | steps | cache tokens/s | recompute tokens/s | speedup | same tokens |",
-        "|---|---|---|---|---|---|",
-        *[f"| {r['batch']} | {r['steps']} | {r['cache_tokens_per_s']} | {r['recompute_tokens_per_s']} | "
-          f"{r['speedup']}x | {r['same_tokens']} |" for r in rows],
+        f"![ms per call]({args.out.name}.png)",
         "",
-    ]  # fmt: skip
-    stem.with_suffix(".md").write_text("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for batch in args.batches:
-            mine = [r for r in rows if r["batch"] == batch]
-            steps = [r["steps"] for r in mine]
-            ax.plot(steps, [r["cache_tokens_per_s"] for r in mine], "o-", label=f"cache, B={batch}")
-            ax.plot(steps, [r["recompute_tokens_per_s"] for r in mine], "s--", label=f"recompute, B={batch}")
-        ax.set_xlabel("generated tokens per sentence")
-        ax.set_ylabel("tokens / s")
-        ax.set_yscale("log")
-        ax.set_title(f"{args.bundle.name}: KV cache vs recompute (ORT CPU, {args.threads} thread)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(stem.with_suffix(".png"), dpi=120)
-    except ImportError:
-        print("matplotlib missing: no PNG written", file=sys.stderr)
-    print(f"wrote {stem}.csv/.md/.png")
+        "## Graph size after ORT's optimiser (ORT_ENABLE_ALL)",
+        "",
+        *[f"- {form}: {sum(c.values())} nodes ({', '.join(f'{op} {k}' for op, k in c.most_common())})"
+          for form, c in nodes.items()],  # fmt: skip
+        f"- session.run of a one-node (Identity) graph: {overhead:.1f} µs: the fixed cost of a call.",
+        "",
+        f"## Step form, 1 row, {args.cached[0]} cached: ORT profiler's kernel time by operator",
+        "",
+        *markdown_table(split, {"operator": "operator", "share_of_kernel_time": "share of kernel time"}),
+        "",
+    ]
+    args.out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

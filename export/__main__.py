@@ -5,6 +5,7 @@
     python -m export quantize --bundle models/translate-linformer --out models/translate-linformer-int8
     python -m export calibrate --bundle models/classify-linformer  (the batcher's token budget, measured)
     python -m export ctranslate2 --bundle models/translate-transformer --out .cache/ct2/translate-transformer
+    python -m export step-decoder --bundle models/translate-linformer --parity-tsv .cache/data/ende/test.tsv
 """
 
 from __future__ import annotations
@@ -43,8 +44,23 @@ def main(argv: list[str] | None = None) -> None:
     peer.add_argument("--bundle", type=Path, required=True, help="a vanilla translator: models/translate-transformer")
     peer.add_argument("--out", type=Path, required=True, help="e.g. .cache/ct2/translate-transformer (not a bundle)")
     peer.add_argument("--quantization", help="store weights as e.g. int8 (default fp32; int8 can be chosen at load)")
+    step = sub.add_parser("step-decoder", help="rewrite a translation bundle's decoder.onnx in the step form "
+                          "(in place; export/step_decoder.py), checked against the decoder it replaces")
+    step.add_argument("--bundle", type=Path, required=True, help="fp32 translation bundle (models/translate-*)")
+    step.add_argument("--parity-tsv", type=Path, help="test.tsv (source, en, de) for the greedy parity check "
+                                                      "(default: 64 random sources)")
+    step.add_argument("--parity-sentences", type=int, default=1500, help="first N sentences of --parity-tsv")
     args = parser.parse_args(argv)
 
+    if args.task == "step-decoder":  # a bundle in, the same bundle out: no checkpoint, no torch
+        from export.step_decoder import convert_bundle, parity_sources_from_tsv
+
+        sources = None
+        if args.parity_tsv:
+            sources = parity_sources_from_tsv(args.bundle, args.parity_tsv, args.parity_sentences)
+        config = convert_bundle(args.bundle, sources)
+        print(json.dumps({"bundle": str(args.bundle), "step_parity": config["export"]["step_parity"]}))
+        return
     if args.task == "calibrate":  # onnxruntime only: runs on the serving machine without torch
         from export.calibrate import calibrate_bundle, table_markdown
 

@@ -291,7 +291,8 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
         "## Export",
         f"- ONNX opset {config['export']['opset']}: `encoder.onnx` (run once per source: cross keys/values of "
         "every decoder layer, already projected and compressed) and `decoder.onnx` (new tokens + self-attention "
-        "cache + cross keys/values -> logits and the grown cache; the first step gets an empty cache).",
+        "cache + cross keys/values -> logits and the grown cache; the first step gets an empty cache), which is "
+        "then rewritten in the step form the service runs (see *Decoder form* below).",
         f"- Parity on {parity['sentences']} test sentences: ONNX Runtime greedy output identical to PyTorch "
         f"greedy for {parity['greedy_identical']}/{parity['sentences']}; max |logit difference| "
         f"{parity['max_abs_logit_diff_cached_steps']:.2e} over {parity['decoder_calls_compared']} cached steps "

@@ -5,10 +5,11 @@ encoder.onnx   input_ids, attention_mask int64 (B, S)
                -> cross_key_i, cross_value_i float (B, H, S', hd) for each decoder layer i (already projected,
                   and compressed to S' = k_cross rows for Linformer cross-attention), cross_mask bool (B, S').
                Run once per source.
-decoder.onnx   input_ids int64 (B, T), past_key_i, past_value_i (B, H, P, hd), cross_key_i, cross_value_i,
-               cross_mask -> logits (B, T, V), present_key_i, present_value_i (B, H, P + T, hd).
-               The position of the new tokens is the past length P; at the first step P = 0 (feed arrays of
-               shape (B, H, 0, hd)).
+decoder.onnx   as exported from PyTorch (the torch form): input_ids int64 (B, T), past_key_i, past_value_i
+               (B, H, P, hd), cross_key_i, cross_value_i, cross_mask -> logits (B, T, V), present_key_i,
+               present_value_i (B, H, P + T, hd). Checked against PyTorch (cached steps and a whole prefix), then
+               rewritten in the step form the service runs (export/step_decoder.py: one token per row, the cache
+               in buffers the runtime owns, rows of different lengths in one call) and checked against itself.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 from export.bundle import versions, write_json, write_manifest
 from export.card import translator_card
 from export.fused import use_fused_attention
+from export.step_decoder import convert_bundle, weights_of_model
 from model import Translator
 from training.batching import pad
 from training.decode import greedy
@@ -236,4 +238,4 @@ def export_translator(
     write_json(out / "config.json", config)
     (out / "MODEL_CARD.md").write_text(translator_card(config, saved, checkpoint, notes))
     write_manifest(out)
-    return config
+    return convert_bundle(out, parity_sources, weights_of_model(model))  # the form the service runs

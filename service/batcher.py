@@ -307,13 +307,12 @@ class LiveDecoding(Protocol):
 
     rows: int  # cache rows live now (beams count)
     cache_tokens: int  # positions their caches hold (source + target so far, per row)
-    lengths: list[int]  # distinct target lengths of the live rows, shortest first: one decoder call each
 
     def rows_for(self, options: Hashable) -> int: ...
 
     def admit(self, input_ids: np.ndarray, attention_mask: np.ndarray, sources: list[tuple[Hashable, Any]]) -> None: ...
 
-    def step(self, lengths: list[int]) -> tuple[dict[Hashable, Any], dict[Hashable, Exception]]: ...
+    def step(self) -> tuple[dict[Hashable, Any], dict[Hashable, Exception]]: ...
 
     def drop(self, keys: set) -> None: ...
 
@@ -330,19 +329,13 @@ class StepBatcher(Batcher):
     next steps will read), and (3) answers each source whose search ended at once. Sources with any options
     share the steps (each keeps its own beam size and length limit); a request's beams join and leave
     together. When nothing is live, the oldest queued source may wait `max_wait_s` for companions, as in
-    Batcher. A runtime error fails the sources it hit (BatchFailed), not the others.
-
-    Which rows step: the runtime needs one decoder call per distinct decoded length, and rows reaching the
-    same length merge into one call. So a step advances only the rows that have decoded the fewest tokens:
-    newcomers catch up with older rows and share their call instead of adding a call per arrival. Every
-    `step_all_every`-th step advances all rows, so older rows are slowed, never starved (1: all rows always).
+    Batcher. A runtime error fails the sources it hit (BatchFailed), not the others. Every step advances every
+    live row in one decoder call, whatever their lengths (the runtime's cache keeps one length per row).
     """
 
-    def __init__(self, live: LiveDecoding, *, step_all_every: int = 1, **batcher_settings: Any):
+    def __init__(self, live: LiveDecoding, **batcher_settings: Any):
         super().__init__(self._no_whole_batches, **batcher_settings)
         self.live = live
-        self.step_all_every = step_all_every
-        self._steps = 0  # decoder steps run so far
         self._live_items: list[_Item] = []  # admission order
         self._cost_done = 0  # cost of the sources answered since the last throughput update
         self._busy_s = 0.0  # compute time since then
@@ -388,7 +381,6 @@ class StepBatcher(Batcher):
                 finished, failed = {}, dict.fromkeys(self._live_items, error)
                 self.live.drop(set(self._live_items))
             self._busy_s += time.monotonic() - started
-            self._steps += 1
             self._answer(finished, failed)
 
     def _leaving_live(self) -> set:
@@ -420,7 +412,7 @@ class StepBatcher(Batcher):
                 return joining, True
             item_rows = self.live.rows_for(item.options)
             new_longest = max(longest, item.length)
-            # the cohort's cross keys are padded to its longest source; one self-attention position each
+            # the joining rows' cross keys are padded to their longest source; one self-attention position each
             cohort_tokens = (joining_rows + item_rows) * (new_longest + 1)
             if tokens + cohort_tokens > self.max_batch_tokens and (rows or joining):
                 return joining, True
@@ -447,10 +439,7 @@ class StepBatcher(Batcher):
                 )  # fmt: skip
         if not self.live.rows:
             return {}, failed
-        lengths = self.live.lengths
-        if self._steps % self.step_all_every:  # the youngest rows only: the others wait for them to catch up
-            lengths = lengths[:1]
-        finished, step_failed = self.live.step(lengths)
+        finished, step_failed = self.live.step()
         return finished, failed | step_failed
 
     def _answer(self, finished: dict, failed: dict) -> None:

@@ -39,14 +39,9 @@ class Settings(BaseSettings):
     # How /translate schedules decoding (policy in service/batcher.py). "step": continuous batching, new
     # sources join the decode loop between decoder steps and finished ones answer at once; "request": a batch
     # of whole requests decodes until its last sentence ends while later arrivals wait (the behaviour before
-    # step-level batching). "request" stays the default: on the 2-core VM step scheduling cut the median latency
-    # of short requests at 4 and 16 users but lost 16-user throughput (benchmarks/results/stepbatch.md).
+    # step-level batching). "request" stays the default: on the 2-core VM step scheduling cut short requests'
+    # latency at 4 users but got 0.59x of request-level throughput at 16 (benchmarks/results/translate-load.md).
     translate_scheduling: Literal["step", "request"] = "request"
-    # Step scheduling: rows that have decoded the same number of tokens share one decoder call per step (the
-    # bundle's decoder takes one cache length per call). Rows that have decoded fewer tokens step first, so they
-    # catch up with older ones and merge into their call; the older rows still step at least once every this
-    # many steps (1: every row at every step, one call per distinct length).
-    translate_step_all_every: int = Field(8, ge=1)
     # deadline for an answer, queue wait and compute: queued texts past it are not computed, and a
     # translation batch whose requests are all gone or past it stops decoding
     request_timeout_s: float = Field(30.0, gt=0)

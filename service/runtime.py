@@ -3,7 +3,7 @@
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,10 @@ log = logging.getLogger(__name__)
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
+# A decode whose buffers reached this size is followed by `_return_freed_memory` (a small one's pages are reused
+# by the next; trimming them costs ~0.2 ms per request plus the page faults of taking them back, 5-10 % of a
+# single-stream sentence)
+BIG_DECODE_BYTES = 16 << 20
 
 def _load_malloc_trim():
     libc_name = ctypes.util.find_library("c")
@@ -119,7 +123,7 @@ def _length_penalty(length: int, alpha: float) -> float:
 
 
 class TranslatorRuntime:
-    """encoder.onnx once per source, then decoder.onnx one token at a time with its key/value cache.
+    """encoder.onnx once per source, then decoder.onnx (the step form, export/step_decoder.py) one token at a time.
 
     `run(input_ids, attention_mask, (beam_size, max_new_tokens), between_steps)` -> one list of target token
     ids per row (no BOS/EOS): a batch of whole requests decoded until its last sentence ends. `between_steps`
@@ -142,6 +146,9 @@ class TranslatorRuntime:
         eos_id: int,
         length_penalty_alpha: float = 0.6,
     ):
+        if "past_lengths" not in {i.name for i in decoder.get_inputs()}:
+            raise ValueError("decoder.onnx is not the step form (no past_lengths input): convert the bundle with "
+                             "`python -m export step-decoder --bundle <bundle>`")  # fmt: skip
         self.encoder, self.decoder = encoder, decoder
         self.n_heads, self.head_dim, self.tgt_n_max = n_heads, head_dim, tgt_n_max
         self.bos_id, self.eos_id, self.alpha = bos_id, eos_id, length_penalty_alpha
@@ -149,6 +156,7 @@ class TranslatorRuntime:
         self.past_names = [f"past_{kind}_{i}" for i, kind in kinds]
         self.present_names = [f"present_{kind}_{i}" for i, kind in kinds]
         self.cross_names = [f"cross_{kind}_{i}" for i, kind in kinds] + ["cross_mask"]
+        self.vocab_size = decoder.get_outputs()[0].shape[-1]
 
     @property
     def provider(self) -> str:
@@ -174,23 +182,13 @@ class TranslatorRuntime:
                 outputs.update(finished)
             return [outputs[row] for row in range(len(input_ids))]
         finally:
-            del live
-            _return_freed_memory()  # a decode allocates per step; trimming costs ~1 ms against tens of ms
+            if live.peak_bytes >= BIG_DECODE_BYTES:
+                del live
+                _return_freed_memory()
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> list[np.ndarray]:
         """Padded sources -> cross keys/values per decoder layer (rows, H, S', hd) and cross_mask (rows, S')."""
         return self.encoder.run(self.cross_names, {"input_ids": input_ids, "attention_mask": attention_mask})
-
-    def step(self, tokens: np.ndarray, cross: list[np.ndarray], past: list[np.ndarray]):
-        """(rows, 1) new tokens -> logits of the next token (rows, V) and the grown cache. Every row's cache
-        must have the same length: the decoder places the new tokens at the cache's length."""
-        feeds = {"input_ids": tokens, **dict(zip(self.cross_names, cross, strict=True))}
-        feeds.update(zip(self.past_names, past, strict=True))
-        logits, *presents = self.decoder.run(["logits", *self.present_names], feeds)
-        return logits[:, -1], presents
-
-    def empty_cache(self, rows: int) -> list[np.ndarray]:
-        return [np.zeros((rows, self.n_heads, 0, self.head_dim), np.float32) for _ in self.past_names]
 
 
 # sources whose search ended -> their target tokens; sources whose decoder call raised -> the error
@@ -198,7 +196,7 @@ StepOutcome = tuple[dict[Hashable, list[int]], dict[Hashable, Exception]]
 
 
 class _Search:
-    """One source's search: greedy (beam 1) or beam search over its `beam` consecutive rows of a cohort."""
+    """One source's search: greedy (beam 1) or beam search over its `beam` rows of the decode buffers."""
 
     def __init__(self, key: Hashable, beam: int, max_new_tokens: int, eos_id: int, alpha: float):
         self.key, self.beam, self.max_new_tokens, self.eos_id, self.alpha = key, beam, max_new_tokens, eos_id, alpha
@@ -208,19 +206,23 @@ class _Search:
         self.history = np.zeros((beam, 0), dtype=np.int64)  # beam search: tokens of each row so far
         self.finished: list[tuple[float, list[int]]] = []
         self.output: list[int] | None = None  # set when the search ends
+        self.rows = np.arange(beam)  # its rows in the decode buffers (LiveDecode sets and moves them)
+
+    def advance_greedy(self, token: int, step: int) -> tuple[list[int], list[int]]:
+        """Beam 1: the row's best next token at `step` -> ([0], [token]), or ([], []) once the search has ended."""
+        if token != self.eos_id:
+            self.generated.append(token)
+        if token == self.eos_id or step == self.max_new_tokens - 1:
+            self.output = self.generated
+            return [], []
+        return [0], [token]
 
     def advance(self, logits: np.ndarray, log_probs: np.ndarray | None, step: int) -> tuple[list[int], list[int]]:
         """This source's rows' next-token logits (beam, V) at `step` -> (rows to keep, their next tokens), both
         empty once the search has ended (then `output` holds the result)."""
-        at_limit = step == self.max_new_tokens - 1
         if self.beam == 1:
-            token = int(logits[0].argmax())
-            if token != self.eos_id:
-                self.generated.append(token)
-            if token == self.eos_id or at_limit:
-                self.output = self.generated
-                return [], []
-            return [0], [token]
+            return self.advance_greedy(int(logits[0].argmax()), step)
+        at_limit = step == self.max_new_tokens - 1
         beam, vocab = self.beam, logits.shape[-1]
         candidates = (self.scores[:, :, None] + log_probs.reshape(1, beam, vocab)).reshape(1, -1)
         top = np.argpartition(-candidates, 2 * beam, axis=1)[:, : 2 * beam]
@@ -248,66 +250,124 @@ class _Search:
         return rows, tokens
 
 
-class _Cohort:
-    """Rows whose caches have one length (`step` tokens decoded): one decoder call per step covers them.
+class _DecodeBuffers:
+    """Every live row's decoder state in preallocated arrays, bound to the decoder once (IO binding) and updated
+    in place, so a step passes no arrays through Python and copies nothing but the new key/value column.
 
-    The exported decoder places new tokens at the cache's length and has no mask over cached positions, so
-    rows of different lengths cannot share a call without changing the bundle; rows of one length can, whatever
-    their sources' lengths (the cross keys are padded and masked, as within any encoder batch)."""
+    Row r of each array is one live row (rows 0..rows-1 in use, any order). The self-attention cache is
+    (rows, H, tgt_n_max, hd) per layer: bound as both `past_*` and `present_*`, the decoder's attention kernel
+    writes the new column at position `lengths[r]` in place and attends over that row's own positions only, so
+    rows of any lengths share one call. The cross keys/values are (rows, H, memory, hd) with `memory` the longest
+    live source's, the others' masked (`cross_mask`). Capacities grow by doubling; the binding is renewed only
+    when the live rows or the arrays change, not per step.
+    """
 
-    def __init__(self, cross: list[np.ndarray], past: list[np.ndarray], tokens: np.ndarray, searches: list[_Search]):
-        self.cross, self.past, self.tokens, self.searches = cross, past, tokens, searches
-        self.step = 0  # tokens decoded so far = the self-attention cache's length
+    def __init__(self, runtime: TranslatorRuntime, capacity: int, memory: int, old: "_DecodeBuffers | None" = None):
+        rt = self.runtime = runtime
+        self.capacity, self.memory = capacity, memory
+        heads, head_dim = rt.n_heads, rt.head_dim
+        self.cache = {name: np.empty((capacity, heads, rt.tgt_n_max, head_dim), np.float32) for name in rt.past_names}
+        self.cross = {name: np.zeros((capacity, heads, memory, head_dim), np.float32) for name in rt.cross_names[:-1]}
+        self.cross_mask = np.zeros((capacity, memory), bool)
+        self.tokens = np.zeros((capacity, 1), np.int64)
+        self.lengths = np.zeros(capacity, np.int32)  # target tokens cached per row = the next token's position
+        self.source_lengths = np.zeros(capacity, np.int64)  # real cross positions per row (cache accounting)
+        self.total_length = np.zeros(1, np.int32)
+        self.logits = np.empty((capacity, rt.vocab_size), np.float32)
+        self.rows = 0
+        self.binding: ort.IOBinding | None = None
+        if old is not None:  # carry the live rows over
+            n, shared = old.rows, min(memory, old.memory)
+            for name in self.cache:
+                self.cache[name][:n] = old.cache[name][:n]
+            for name in self.cross:
+                self.cross[name][:n, :, :shared] = old.cross[name][:n, :, :shared]
+            self.cross_mask[:n, :shared] = old.cross_mask[:n, :shared]
+            for mine, theirs in ((self.tokens, old.tokens), (self.lengths, old.lengths),
+                                 (self.source_lengths, old.source_lengths)):  # fmt: skip
+                mine[:n] = theirs[:n]
+            self.rows = n
 
     @property
-    def rows(self) -> int:
-        return len(self.tokens)
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.cache.values(), *self.cross.values(), self.logits))
 
-    @property
-    def cache_tokens(self) -> int:
-        """Positions held for these rows: the (padded) source's cross keys and the target so far."""
-        return self.rows * (self.cross[0].shape[2] + self.step)
+    def bind(self) -> ort.IOBinding:
+        """The decoder's inputs and outputs as views of the first `rows` rows (no copies)."""
+        if self.binding is not None:
+            return self.binding
+        n, binding = self.rows, self.runtime.decoder.io_binding()
 
-    def absorb(self, other: "_Cohort") -> None:
-        """Take in the rows of a cohort of the same length (after this one's rows)."""
-        memory = max(self.cross[0].shape[2], other.cross[0].shape[2])
-        self.cross = [np.concatenate([_pad_memory(a, memory), _pad_memory(b, memory)])
-                      for a, b in zip(self.cross, other.cross, strict=True)]  # fmt: skip
-        self.past = [np.concatenate([a, b]) for a, b in zip(self.past, other.past, strict=True)]
-        self.tokens = np.concatenate([self.tokens, other.tokens])
-        self.searches = self.searches + other.searches
+        def put(name: str, array: np.ndarray, output: bool = False) -> None:
+            shape = [n, *array.shape[1:]] if array is not self.total_length else list(array.shape)
+            bind = binding.bind_output if output else binding.bind_input
+            bind(name, "cpu", 0, array.dtype, shape, array.ctypes.data)
 
-    def keep(self, rows: list[int], tokens: list[int]) -> None:
-        """Carry on with these rows (indices into the current ones, in order) and their next tokens."""
-        if len(rows) != self.rows or rows != list(range(self.rows)):
-            self.cross = [t[rows] for t in self.cross]
-            self.past = [t[rows] for t in self.past]
-        self.tokens = np.array(tokens, dtype=np.int64).reshape(-1, 1)
+        put("input_ids", self.tokens)
+        put("past_lengths", self.lengths)
+        put("total_length", self.total_length)
+        for name, array in self.cross.items():
+            put(name, array)
+        put("cross_mask", self.cross_mask)
+        for past, present in zip(self.runtime.past_names, self.runtime.present_names, strict=True):
+            put(past, self.cache[past])
+            put(present, self.cache[past], output=True)  # the same buffer: the kernel appends in place
+        put("logits", self.logits, output=True)
+        self.binding = binding
+        return binding
 
+    def run(self) -> np.ndarray:
+        """One decoder call for every live row -> next-token logits (rows, V), a view valid until the next call."""
+        self.total_length[0] = self.lengths[: self.rows].max() + 1
+        self.runtime.decoder.run_with_iobinding(self.bind())
+        return self.logits[: self.rows]
 
-def _pad_memory(cross: np.ndarray, memory: int) -> np.ndarray:
-    """Cross keys/values (rows, H, S', hd) or cross_mask (rows, S') padded to `memory` positions (masked out)."""
-    axis = 2 if cross.ndim == 4 else 1
-    missing = memory - cross.shape[axis]
-    if missing == 0:
-        return cross
-    widths = [(0, 0)] * cross.ndim
-    widths[axis] = (0, missing)
-    return np.pad(cross, widths)  # zeros; False in the mask
+    def write_sources(self, start: int, cross: list[np.ndarray], source_lengths: np.ndarray) -> None:
+        """Rows start.. start+len get these sources' cross keys/values (already repeated per beam), an empty
+        self-attention cache and BOS."""
+        end = start + len(source_lengths)
+        width = cross[0].shape[2]
+        for name, array in zip(self.runtime.cross_names[:-1], cross[:-1], strict=True):
+            self.cross[name][start:end, :, :width] = array
+            self.cross[name][start:end, :, width:] = 0
+        self.cross_mask[start:end] = False
+        self.cross_mask[start:end, :width] = cross[-1]
+        self.tokens[start:end] = self.runtime.bos_id
+        self.lengths[start:end] = 0
+        self.source_lengths[start:end] = source_lengths
+        self.rows = max(self.rows, end)
+        self.binding = None
+
+    def copy_rows(self, targets: np.ndarray, sources: np.ndarray, positions: int) -> None:
+        """Rows `targets` become copies of rows `sources` (their first `positions` cached tokens, cross keys,
+        token and lengths); the right-hand side is read before anything is written."""
+        for array in self.cache.values():
+            array[targets, :, :positions] = array[sources, :, :positions]
+        for array in (*self.cross.values(), self.cross_mask, self.tokens, self.lengths, self.source_lengths):
+            array[targets] = array[sources]
+
+    def shrink_to(self, rows: int) -> None:
+        if rows != self.rows:
+            self.rows, self.binding = rows, None
 
 
 class LiveDecode:
     """The sources being decoded, step by step: they join (`admit`), advance one token per `step` and leave
     when their search ends (returned by `step`) or when told to (`drop`). Sources are named by keys the caller
-    chooses. Mechanics only: who joins and when is the caller's policy. Not thread-safe: one thread drives it.
+    chooses. Every live row, whatever its source's length or its own, takes part in each step's one decoder call
+    (see _DecodeBuffers). Mechanics only: who joins and when is the caller's policy. Not thread-safe: one thread
+    drives it.
     """
 
     def __init__(self, runtime: TranslatorRuntime, *, trim_when_idle: bool = False):
-        """`trim_when_idle`: give freed heap pages back to the OS whenever the last source leaves (as `run` does
-        after each batch), so a burst does not leave a long-lived decode loop's process at its peak."""
+        """`trim_when_idle`: give freed heap pages back to the OS when the last source leaves after buffers of
+        BIG_DECODE_BYTES or more (as `run` does after such a batch), so a burst does not leave a long-lived decode
+        loop's process at its peak."""
         self.runtime = runtime
         self.trim_when_idle = trim_when_idle
-        self.cohorts: list[_Cohort] = []
+        self.searches: list[_Search] = []
+        self.buffers: _DecodeBuffers | None = None
+        self.peak_bytes = 0  # the largest buffers held since the last trim
 
     @staticmethod
     def rows_for(options) -> int:
@@ -317,98 +377,114 @@ class LiveDecode:
 
     @property
     def rows(self) -> int:
-        return sum(cohort.rows for cohort in self.cohorts)
-
-    @property
-    def lengths(self) -> list[int]:
-        """Target lengths decoded so far by the live rows, shortest first: one decoder call each per step."""
-        return sorted(cohort.step for cohort in self.cohorts)
+        return self.buffers.rows if self.buffers else 0
 
     @property
     def cache_tokens(self) -> int:
-        return sum(cohort.cache_tokens for cohort in self.cohorts)
+        """Positions the live rows read per step: their source's cross keys and their target so far."""
+        if not self.buffers:
+            return 0
+        b = self.buffers
+        return int(b.source_lengths[: b.rows].sum() + b.lengths[: b.rows].sum())
 
     def admit(self, input_ids: np.ndarray, attention_mask: np.ndarray, sources: list[tuple[Hashable, Any]]) -> None:
-        """Encode these padded sources (one (key, (beam_size, max_new_tokens)) per row) and add them as a cohort:
-        their cross keys/values, one empty self-attention cache row and a BOS per beam."""
+        """Encode these padded sources (one (key, (beam_size, max_new_tokens)) per row) and add their rows: cross
+        keys/values, an empty self-attention cache and a BOS per beam."""
         rt = self.runtime
         cross = rt.encode(input_ids, attention_mask)
         beams = np.array([self.rows_for(options) for _, options in sources])
         if (beams != 1).any():
             cross = [np.repeat(t, beams, axis=0) for t in cross]
-        searches = [
-            _Search(key, beam, min(max_new_tokens, rt.tgt_n_max), rt.eos_id, rt.alpha)
-            for key, (beam, max_new_tokens) in sources
-        ]
-        rows = int(beams.sum())
-        tokens = np.full((rows, 1), rt.bos_id, dtype=np.int64)
-        self.cohorts.append(_Cohort(cross, rt.empty_cache(rows), tokens, searches))
-        self._merge_equal_lengths()
+        start, memory = self.rows, cross[0].shape[2]
+        self._make_room(start + int(beams.sum()), memory)
+        self.buffers.write_sources(start, cross, cross[-1].sum(axis=1))
+        for key, (beam, max_new_tokens) in sources:
+            search = _Search(key, beam, min(max_new_tokens, rt.tgt_n_max), rt.eos_id, rt.alpha)
+            search.rows = np.arange(start, start + beam)
+            start += beam
+            self.searches.append(search)
 
-    def step(self, lengths: Collection[int] | None = None) -> StepOutcome:
-        """One decoder call for the rows at each of `lengths` (default: all) -> (sources whose search ended:
-        their tokens, sources whose decoder call raised: the error). Both kinds have left. Rows that reach the
-        length of rows not stepped now join them, so the next step takes them in one call."""
+    def _make_room(self, rows: int, memory: int) -> None:
+        """Buffers that hold `rows` rows and `memory` cross positions, the live rows carried over."""
+        b = self.buffers
+        if b is not None and rows <= b.capacity and memory <= b.memory:
+            return
+        capacity = rows if b is None else max(rows, 2 * b.capacity)  # a whole batch's rows come in one admit
+        if b is not None and rows <= b.capacity:
+            capacity = b.capacity
+        memory = _round_memory(max(memory, b.memory if b else 0))
+        self.buffers = _DecodeBuffers(self.runtime, capacity, memory, old=b)
+        self.peak_bytes = max(self.peak_bytes, self.buffers.nbytes)
+
+    def step(self) -> StepOutcome:
+        """One decoder call for every live row -> (sources whose search ended: their tokens, sources whose decoder
+        call raised: the error). Both kinds have left."""
         finished: dict[Hashable, list[int]] = {}
-        failed: dict[Hashable, Exception] = {}
-        for cohort in [c for c in self.cohorts if lengths is None or c.step in lengths]:
-            try:
-                finished.update(self._step_cohort(cohort))
-            except Exception as error:  # only this cohort's sources fail; the others carry on
-                failed.update((search.key, error) for search in cohort.searches)
-                self.cohorts.remove(cohort)
-        self._merge_equal_lengths()
-        if self.trim_when_idle and not self.cohorts:
-            _return_freed_memory()
-        return finished, failed
-
-    def _merge_equal_lengths(self) -> None:
-        by_length: dict[int, _Cohort] = {}
-        for cohort in list(self.cohorts):
-            if cohort.step in by_length:
-                by_length[cohort.step].absorb(cohort)
-                self.cohorts.remove(cohort)
+        if not self.searches:
+            return finished, {}
+        b = self.buffers
+        try:
+            logits = b.run()
+        except Exception as error:  # one call for everyone: every live source fails with it
+            failed = {search.key: error for search in self.searches}
+            self.searches = []
+            self._compact()
+            return finished, failed
+        best = logits.argmax(axis=1)  # the greedy sources' next tokens, in one pass
+        going: list[_Search] = []
+        for search in self.searches:
+            rows = search.rows
+            step = int(b.lengths[rows[0]])  # tokens decoded so far (this step's was cached at this position)
+            if search.beam == 1:
+                kept, tokens = search.advance_greedy(int(best[rows[0]]), step)
             else:
-                by_length[cohort.step] = cohort
-
-    def _step_cohort(self, cohort: _Cohort) -> dict[Hashable, list[int]]:
-        logits, cohort.past = self.runtime.step(cohort.tokens, cohort.cross, cohort.past)
-        log_probs = _log_softmax(logits) if any(search.beam > 1 for search in cohort.searches) else None
-        finished, going, rows, tokens, start = {}, [], [], [], 0
-        for search in cohort.searches:
-            end = start + search.beam
-            kept, next_tokens = search.advance(logits[start:end], None if log_probs is None else log_probs[start:end],
-                                               cohort.step)  # fmt: skip
+                chosen = logits[rows]
+                kept, tokens = search.advance(chosen, _log_softmax(chosen), step)
             if search.output is not None:
                 finished[search.key] = search.output
-            else:
-                going.append(search)
-                rows += [start + row for row in kept]
-                tokens += next_tokens
-            start = end
-        cohort.step += 1
-        if going:
-            cohort.searches = going
-            cohort.keep(rows, tokens)
-        else:
-            self.cohorts.remove(cohort)
-        return finished
+                continue
+            if kept != list(range(search.beam)):  # beams reordered: each takes its parent's cache
+                b.copy_rows(rows, rows[kept], step + 1)
+            b.tokens[rows, 0] = tokens
+            b.lengths[rows] = step + 1
+            going.append(search)
+        if len(going) != len(self.searches):
+            self.searches = going
+            self._compact()
+        return finished, {}
+
+    def _compact(self) -> None:
+        """After sources left: the live rows move into rows 0..n-1 (the last ones into the holes), the cross
+        buffer narrows when its longest sources have gone, and nothing is held once nobody is live."""
+        if not self.searches:
+            self.buffers = None
+            if self.trim_when_idle and self.peak_bytes >= BIG_DECODE_BYTES:
+                _return_freed_memory()
+                self.peak_bytes = 0
+            return
+        b = self.buffers
+        live = np.concatenate([search.rows for search in self.searches])
+        n = len(live)
+        movers = live[live >= n]
+        if len(movers):
+            holes = np.setdiff1d(np.arange(n), live)
+            b.copy_rows(holes, movers, int(b.lengths[movers].max()))
+            moved = dict(zip(movers.tolist(), holes.tolist(), strict=True))
+            for search in self.searches:
+                search.rows = np.array([moved.get(row, row) for row in search.rows.tolist()])
+        b.shrink_to(n)
+        memory = _round_memory(int(b.source_lengths[:n].max()))
+        if memory < b.memory // 2:  # the long sources left: the short ones stop paying for their width
+            self.buffers = _DecodeBuffers(self.runtime, b.capacity, memory, old=b)
 
     def drop(self, keys: set) -> None:
         """These sources leave now (their requests are gone): their rows leave the cache."""
-        for cohort in list(self.cohorts):
-            if not any(search.key in keys for search in cohort.searches):
-                continue
-            rows, going, start = [], [], 0
-            for search in cohort.searches:
-                if search.key not in keys:
-                    going.append(search)
-                    rows += range(start, start + search.beam)
-                start += search.beam
-            if not going:
-                self.cohorts.remove(cohort)
-                continue
-            cohort.searches = going
-            cohort.keep(rows, cohort.tokens[rows, 0].tolist())
-        if self.trim_when_idle and not self.cohorts:
-            _return_freed_memory()
+        going = [search for search in self.searches if search.key not in keys]
+        if len(going) != len(self.searches):
+            self.searches = going
+            self._compact()
+
+
+def _round_memory(memory: int) -> int:
+    """Cross buffer width: a multiple of 16, so sources of similar lengths do not each reallocate it."""
+    return max(16, -(-memory // 16) * 16)

@@ -92,11 +92,11 @@ def test_int8_logits_stay_close_to_fp32(classify_pair, n):
 def test_translate_int8_decoder_has_its_dense_layers_in_int8(translate_pair):
     _, _, int8 = translate_pair
     ops = load_bundle(int8).config["export"]["quantization"]["ops"]
-    # 2 layers x (self q, k, v, out; cross q, out; fc, proj) + the tied output layer: reached only because the
-    # weight transposes the decoder is exported with are folded first
-    assert ops["decoder.onnx"]["int8_matmul"] == 2 * 8 + 1
+    # 2 layers x (self q;k;v as one, out; cross q, out; fc, proj) + the tied output layer: reached only because
+    # the step decoder's weight transposes (and the q;k;v Concat) are folded first
+    assert ops["decoder.onnx"]["int8_matmul"] == 2 * 6 + 1
     decoder_ops = [n.op_type for n in onnx.load(str(int8 / "decoder.onnx")).graph.node]
-    assert decoder_ops.count("MatMulInteger") == 17
+    assert decoder_ops.count("MatMulInteger") == 13
     assert ops["encoder.onnx"]["int8_matmul"] == 2 * 6 + 2 * 2  # encoder layers + each decoder layer's cross k, v
 
 
@@ -104,27 +104,18 @@ def decoder_logits(bundle, texts: list[str], steps: int) -> list[np.ndarray]:
     """Encode `texts`, then `steps` cached decoder calls fed token 4, 5, ...: the logits of every call."""
     import sentencepiece as spm
 
+    from export.step_decoder import step_logits
+
     config = load_bundle(bundle).config
     sp = spm.SentencePieceProcessor(model_file=str(bundle / "tokenizer.model"))
     ids = [sp.encode(text) + [config["special_tokens"]["eos_id"]] for text in texts]
     input_ids = np.zeros((len(ids), max(map(len, ids))), np.int64)
     for row, seq in enumerate(ids):
         input_ids[row, : len(seq)] = seq
-    names = [f"{{}}_{kind}_{i}" for i in range(config["n_decoder_layers"]) for kind in ("key", "value")]
-    cross_names = [name.format("cross") for name in names] + ["cross_mask"]
-    cross = session(bundle / "encoder.onnx").run(cross_names, {"input_ids": input_ids,
-                                                               "attention_mask": (input_ids > 0).astype(np.int64)})
-    feeds = dict(zip(cross_names, cross, strict=True))
-    feeds |= {name.format("past"): np.zeros((len(ids), config["n_heads"], 0, config["head_dim"]), np.float32)
-              for name in names}  # fmt: skip
-    decoder, logits = session(bundle / "decoder.onnx"), []
-    for step in range(steps):
-        tokens = np.full((len(ids), 1), config["special_tokens"]["bos_id"] if step == 0 else 3 + step, np.int64)
-        out, *presents = decoder.run(["logits", *[name.format("present") for name in names]],
-                                     {**feeds, "input_ids": tokens})  # fmt: skip
-        feeds |= dict(zip([name.format("past") for name in names], presents, strict=True))
-        logits.append(out)
-    return logits
+    forced = np.array([[config["special_tokens"]["bos_id"]] + [3 + step for step in range(1, steps)]] * len(ids))
+    logits, _ = step_logits(session(bundle / "encoder.onnx"), session(bundle / "decoder.onnx"), config, input_ids,
+                            (input_ids > 0).astype(np.int64), steps, forced=forced)  # fmt: skip
+    return list(logits)
 
 
 def test_translate_int8_logits_stay_close_to_fp32_over_cached_steps(translate_pair):

@@ -33,17 +33,19 @@ MIXED = [LOAD_TEXTS["128"][0], *SHORT_TEXTS, LOAD_TEXTS["64"][0], LOAD_TEXTS["16
 
 
 class RecordingLive(LiveDecode):
-    """LiveDecode that notes, before each step, the cohorts and sources live (and may slow each step down)."""
+    """LiveDecode that notes, before each step, the distinct target lengths in its one decoder call and the sources
+    live (and may slow each step down)."""
 
     def __init__(self, runtime, step_delay_s: float = 0.0):
         super().__init__(runtime)
         self.step_delay_s = step_delay_s
-        self.steps: list[tuple[int, set]] = []  # (cohorts, keys) before each step
+        self.steps: list[tuple[int, set]] = []  # (distinct lengths, keys) before each step
 
-    def step(self, lengths=None):
-        self.steps.append((len(self.cohorts), {search.key for cohort in self.cohorts for search in cohort.searches}))
+    def step(self):
+        lengths = set(self.buffers.lengths[: self.rows].tolist()) if self.buffers else set()
+        self.steps.append((len(lengths), {search.key for search in self.searches}))
         time.sleep(self.step_delay_s)
-        return super().step(lengths)
+        return super().step()
 
 
 class Recorded:
@@ -113,7 +115,7 @@ async def test_greedy_under_staggered_concurrent_arrivals_equals_decoding_each_a
         assert response.status_code == 200, response.text
         assert response.json()["translations"][0] == {"text": tokenizer.decode(tokens), "tokens": len(tokens)}
     live = wrappers[0].lives[0]
-    assert max(cohorts for cohorts, _ in live.steps) >= 2, "sources should have joined while others were decoding"
+    assert max(lengths for lengths, _ in live.steps) >= 2, "sources should have joined while others were decoding"
 
     # the first request (128 tokens, a long output) was still decoding when later, shorter ones were answered
     first_done = answered[0][0]
@@ -130,32 +132,39 @@ async def test_beam_search_and_greedy_sharing_steps_equal_each_decoded_alone():
     async with running_service(step_settings(model), wrap_runtime=recorded(wrappers)) as client:
         answered = await staggered(client, payloads, gap_s=0.003)
     assert [r.json()["translations"][0]["text"] for _, r in answered] == [tokenizer.decode(t) for t in expected]
-    assert max(cohorts for cohorts, _ in wrappers[0].lives[0].steps) >= 2
+    assert max(lengths for lengths, _ in wrappers[0].lives[0].steps) >= 2
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
-def test_rows_that_catch_up_with_older_ones_share_their_decoder_call_and_decode_as_alone(beam_size):
+def test_rows_of_different_lengths_share_one_decoder_call_and_decode_as_alone(beam_size):
     from service.batcher import pad
 
     _, tokenizer, runtime = translator("translate-linformer")
     texts = [LOAD_TEXTS["64"][0], LOAD_TEXTS["16"][1], SHORT_TEXTS[2]]
     live = runtime.live()
+    calls = []
+    run_with_iobinding = runtime.decoder.run_with_iobinding
     live.admit(*pad([source_ids(tokenizer, texts[0])], 0), [("old", (beam_size, 256))])
     for _ in range(3):
         live.step()
     live.admit(*pad([source_ids(tokenizer, t) for t in texts[1:]], 0), [("new", (beam_size, 256)),
                                                                         ("newer", (beam_size, 256))])  # fmt: skip
-    assert live.lengths == [0, 3]
+    assert sorted(set(live.buffers.lengths[: live.rows].tolist())) == [0, 3] and live.rows == 3 * beam_size
     outputs: dict = {}
-    for _ in range(3):  # only the newcomers step: they reach the old row's length and join its call
-        outputs.update(live.step(live.lengths[:1])[0])
-    assert live.lengths == [3] and len(live.cohorts[0].searches) == 3 - len(outputs)
+    try:
+        runtime.decoder.run_with_iobinding = lambda binding: calls.append(live.rows) or run_with_iobinding(binding)
+        finished, failed = live.step()  # old and new rows in one call
+    finally:
+        del runtime.decoder.run_with_iobinding
+    assert calls == [3 * beam_size] and not failed
+    outputs.update(finished)
     while live.rows:
         finished, failed = live.step()
         assert not failed
         outputs.update(finished)
     assert outputs == {key: alone(runtime, tokenizer, text, beam_size)
                        for key, text in zip(("old", "new", "newer"), texts, strict=True)}  # fmt: skip
+    assert live.buffers is None  # nothing held once nobody is live
 
 
 def make_step_batcher(live, **overrides) -> StepBatcher:
@@ -191,28 +200,37 @@ async def test_a_source_whose_client_goes_or_whose_deadline_passes_leaves_withou
     assert live.rows == 0
 
 
+class FailingDecoder:
+    """The decoder session, whose calls raise while `failing` is set (a simulated ONNX Runtime failure)."""
+
+    def __init__(self, session):
+        self.session, self.failing = session, False
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+    def run_with_iobinding(self, binding):
+        if self.failing:
+            raise RuntimeError("simulated ONNX Runtime failure")
+        return self.session.run_with_iobinding(binding)
+
+
 async def test_a_runtime_failure_fails_only_the_sources_it_hit():
     _, tokenizer, runtime = translator("translate-linformer")
-    healthy, poisoned, later = LOAD_TEXTS["64"][0], LOAD_TEXTS["16"][3], LOAD_TEXTS["32"][0]
-    poisoned_ids = source_ids(tokenizer, poisoned)
-    decoder_step = runtime.step
-
-    def failing_step(tokens, cross, past):  # the cohort holding the poisoned source fails at its third step
-        if cross[-1].shape[1] == len(poisoned_ids) and past[0].shape[2] == 2:
-            raise RuntimeError("simulated ONNX Runtime failure")
-        return decoder_step(tokens, cross, past)
-
-    runtime.step = failing_step
+    healthy, later = LOAD_TEXTS["64"][0], LOAD_TEXTS["32"][0]
+    ids = [source_ids(tokenizer, t) for t in (healthy, later)]
+    decoder = runtime.decoder = FailingDecoder(runtime.decoder)
     live = RecordingLive(runtime, step_delay_s=0.002)
     batcher = make_step_batcher(live)
     batcher.start()
-    ids = [source_ids(tokenizer, t) for t in (healthy, later)]
+    # a decoder call fails the sources in it (every live one: they share the call), not the queued or later ones
     first = asyncio.create_task(batcher.submit([ids[0]], timeout_s=30, options=(1, 256)))
-    await asyncio.sleep(0.02)  # decoding: the poisoned source joins as a cohort of its own
+    await asyncio.sleep(0.02)
+    decoder.failing = True
     with pytest.raises(BatchFailed):
-        await batcher.submit([poisoned_ids], timeout_s=30, options=(1, 256))
-    runtime.step = decoder_step
-    assert await first == [alone(runtime, tokenizer, healthy)]
+        await first
+    decoder.failing = False
+    assert live.rows == 0
     assert await batcher.submit([ids[1]], timeout_s=30, options=(1, 256)) == [alone(runtime, tokenizer, later)]
     # an encoder failure fails the sources being admitted, and the loop serves the next ones
     encode = runtime.encode
@@ -221,6 +239,7 @@ async def test_a_runtime_failure_fails_only_the_sources_it_hit():
         await batcher.submit([ids[1]], timeout_s=30, options=(1, 256))
     runtime.encode = encode
     assert await batcher.submit([ids[1]], timeout_s=30, options=(1, 256)) == [alone(runtime, tokenizer, later)]
+    assert await batcher.submit([ids[0]], timeout_s=30, options=(1, 256)) == [alone(runtime, tokenizer, healthy)]
     await batcher.close()
 
 
@@ -249,7 +268,7 @@ async def test_live_sources_stay_within_the_text_and_cache_budgets():
 
     def recording_admit(*args):
         admit(*args)
-        admitted_at.append((live.cache_tokens, sum(len(c.searches) for c in live.cohorts)))
+        admitted_at.append((live.cache_tokens, len(live.searches)))
 
     live.admit = recording_admit
     batcher.start()

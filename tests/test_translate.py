@@ -131,25 +131,40 @@ def test_exported_greedy_is_identical_to_pytorch_and_logits_agree(exported):
     assert "Parity" in (bundle / "MODEL_CARD.md").read_text()
 
 
-def test_decoder_graph_takes_an_empty_cache_and_grows_it(exported, trained):
+def test_step_decoder_steps_rows_of_different_lengths_in_one_call_like_pytorch(exported, trained):
+    """Row 0 decodes two tokens alone, then rows 1 and 2 join it: each call holds rows at different lengths, the
+    cache buffers are bound as both past and present, and every row's logits equal PyTorch's for its prefix."""
     task, bundle, config = exported
     model = task.model
-    L, H, hd = config["n_decoder_layers"], config["n_heads"], config["head_dim"]
+    L, H, hd, T = config["n_decoder_layers"], config["n_heads"], config["head_dim"], config["tgt_n_max"]
     encoder, decoder = sessions(bundle)
+    assert {i.name for i in decoder.get_inputs()} >= {"past_lengths", "total_length"}
     src, mask = pad(task.splits["test"]["src"][:3], PAD_ID)
     cross_names = [*cache_names("cross", L), "cross_mask"]
-    cross = dict(zip(cross_names, encoder.run(cross_names, {"input_ids": src.numpy(), "attention_mask": mask.numpy()}),
-                     strict=True))  # fmt: skip
-    tgt = torch.tensor([[BOS_ID, 5, 6]] * 3)
-    empty = {name: np.zeros((3, H, 0, hd), np.float32) for name in cache_names("past", L)}
-    logits, *presents = decoder.run(None, {**cross, **empty, "input_ids": tgt[:, :2].numpy()})
-    assert presents[0].shape == (3, H, 2, hd)
-    past = dict(zip(cache_names("past", L), presents, strict=True))
-    step, *presents = decoder.run(None, {**cross, **past, "input_ids": tgt[:, 2:].numpy()})
-    assert presents[0].shape == (3, H, 3, hd)
+    cross = encoder.run(cross_names, {"input_ids": src.numpy(), "attention_mask": mask.numpy()})
+    tgt = torch.tensor([[BOS_ID, 5, 6, 7, 8, 9]] * 3)
     with torch.no_grad():
-        expected = model.decode(tgt, model.encode(src, mask))[0].numpy()
-    np.testing.assert_allclose(np.concatenate([logits, step], axis=1), expected, atol=1e-4)
+        expected = model.decode(tgt, model.encode(src, mask))[0].numpy()  # (3, 6, V): every prefix at once
+    caches = {name: np.full((3, H, T, hd), np.nan, np.float32) for name in cache_names("past", L)}  # never read
+    lengths = np.array([0, 0, 0], np.int32)
+    for rows in (1, 1, 3, 3, 3):
+        binding = decoder.io_binding()
+        tokens = tgt[np.arange(rows), lengths[:rows]].numpy()[:, None]
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(tokens))
+        binding.bind_cpu_input("past_lengths", lengths[:rows].copy())
+        binding.bind_cpu_input("total_length", np.array([lengths[:rows].max() + 1], np.int32))
+        for name, array in zip(cross_names, cross, strict=True):
+            binding.bind_cpu_input(name, np.ascontiguousarray(array[:rows]))
+        for name, cache in caches.items():
+            for role, bind in ((name, binding.bind_input), (name.replace("past", "present"), binding.bind_output)):
+                bind(role, "cpu", 0, np.float32, [rows, H, T, hd], cache.ctypes.data)
+        binding.bind_output("logits", "cpu")
+        decoder.run_with_iobinding(binding)
+        logits = binding.copy_outputs_to_cpu()[-1]
+        for row in range(rows):
+            np.testing.assert_allclose(logits[row], expected[row, lengths[row]], atol=1e-4)
+        lengths[:rows] += 1
+    assert lengths.tolist() == [5, 3, 3]
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])

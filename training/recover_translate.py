@@ -77,23 +77,17 @@ def recovered_state(bundle: Path, model: Translator) -> dict[str, torch.Tensor]:
 
 def check_against_onnx(bundle: Path, model: Translator, source_ids: list[int]) -> float:
     """Max |logit difference| between the rebuilt model and ONNX Runtime on one source, first decoder step."""
+    from export.step_decoder import step_logits  # the bundle's decoder.onnx is the step form
+
     ids = torch.tensor([source_ids])
     mask = torch.ones_like(ids)
     encoder = ort.InferenceSession(str(bundle / "encoder.onnx"), providers=["CPUExecutionProvider"])
     decoder = ort.InferenceSession(str(bundle / "decoder.onnx"), providers=["CPUExecutionProvider"])
-    cross = encoder.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
-    cfg = model.cfg
-    head_dim = cfg.d_model // cfg.n_heads
-    feeds = {"input_ids": np.array([[BOS_ID]], dtype=np.int64)}
-    for i in range(cfg.n_decoder_layers):
-        feeds[f"past_key_{i}"] = np.zeros((1, cfg.n_heads, 0, head_dim), dtype=np.float32)
-        feeds[f"past_value_{i}"] = np.zeros((1, cfg.n_heads, 0, head_dim), dtype=np.float32)
-        feeds[f"cross_key_{i}"], feeds[f"cross_value_{i}"] = cross[2 * i], cross[2 * i + 1]
-    feeds["cross_mask"] = cross[-1]
-    onnx_logits = decoder.run(None, feeds)[0]
+    config = json.loads((bundle / "config.json").read_text())
+    onnx_logits = step_logits(encoder, decoder, config, ids.numpy(), mask.numpy(), steps=1)[0][0]  # (1, V)
     with torch.no_grad():
         logits, _ = model.decode(torch.tensor([[BOS_ID]]), model.encode(ids, mask), None)
-    return float(np.abs(onnx_logits - logits.numpy()).max())
+    return float(np.abs(onnx_logits - logits[:, -1].numpy()).max())
 
 
 def recover(bundle: Path, out: Path, data: str) -> dict:
