@@ -228,6 +228,19 @@ async def closed_loop(port: int, request: bytes, clients: int, seconds: float,
     return records
 
 
+def peak_outstanding(records: list[Record], window_s: float) -> dict[int, int]:
+    """Window index -> the most requests sent and not yet answered at any moment in it: what the server had in
+    progress (plus the network's share), the figure its admission limit compares with."""
+    events = sorted([(r.due_s + r.lag_s, 1) for r in records] + [(r.due_s + r.latency_s, -1) for r in records])
+    peaks: dict[int, int] = {}
+    outstanding = 0
+    for t, change in events:
+        outstanding += change
+        window = int(t / window_s)
+        peaks[window] = max(peaks.get(window, 0), outstanding)
+    return peaks
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
