@@ -60,7 +60,7 @@ class Settings(BaseSettings):
     # for every two it completes, service/middleware.py) it admits only `shed_concurrent_requests`, about what
     # keeps one core's model busy, so accepted requests keep their unloaded latency
     # (benchmarks/results/overload-*.md, soak-*.md).
-    max_concurrent_requests: int = Field(64, ge=1)
+    max_concurrent_requests: int = Field(128, ge=1)
     shed_concurrent_requests: int = Field(8, ge=1)
 
     # SIGTERM: /readyz turns 503 at once and answers carry `Connection: close` for this long, so load
