@@ -26,6 +26,7 @@ from benchmarks.loadgen import (  # noqa: E402
     classify_server_on_core_0,
     closed_loop,
     open_loop,
+    peak_outstanding,
     percentile,
     post_request,
 )  # fmt: skip
@@ -84,6 +85,7 @@ def main() -> None:
     finally:
         exit_code = server.stop()
     rows = []
+    peaks = peak_outstanding(records, SAMPLE_S)
     for i in range(int(seconds / SAMPLE_S)):
         lo, hi = i * SAMPLE_S, (i + 1) * SAMPLE_S
         inside = [r for r in records if lo <= r.due_s < hi]
@@ -93,13 +95,16 @@ def main() -> None:
         rows.append({"t_s": lo, "ok_rps": len(ok) / SAMPLE_S, "failures": len(inside) - len(ok),
                      "p50_ms": percentile(ok, 50) * 1000 if ok else None,
                      "p99_ms": percentile(ok, 99) * 1000 if ok else None, "rss_mb": rss_now,
-                     "load_average_1min": load_now})  # fmt: skip
+                     "load_average_1min": load_now, "peak_in_flight": peaks.get(i, 0),
+                     "generator_lag_max_ms": max((r.lag_s for r in inside), default=0) * 1000})  # fmt: skip
     failures = sum(r.status != 200 for r in records)
     statuses = sorted({r.status for r in records if r.status != 200})
     rss_warm = next(mb for t, mb in rss if t >= WARM_UP_S)
     rss_end = rss[-1][1]
     growth = (rss_end - rss_warm) / rss_warm
     ok = [r.latency_s for r in records if r.status == 200]
+    lags = [r.lag_s for r in records]
+    worst = max(rows, key=lambda row: row["peak_in_flight"])
     stem = args.stem or f"soak-{args.bundle}"
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{stem}.csv", rows)
@@ -116,6 +121,11 @@ def main() -> None:
         "",
         f"Saturated throughput {saturated_rps:.0f} req/s; soak rate {rate:.0f} req/s for {seconds:g} s: "
         f"{len(records)} requests, p50 / p99 {percentile(ok, 50) * 1000:.1f} / {percentile(ok, 99) * 1000:.1f} ms.",
+        "",
+        f"Requests in flight (sent, not answered), the figure admission compares with its limit: at most "
+        f"{worst['peak_in_flight']} (in the window at {worst['t_s']:g} s); median of the per-window peaks "
+        f"{percentile([row['peak_in_flight'] for row in rows], 50):.0f}. The generator's own delay in sending: p99 "
+        f"{percentile(lags, 99) * 1000:.1f} ms, max {max(lags) * 1000:.1f} ms (per window in the CSV).",
         "",
         "| goal | measured | target | met |",
         "|---|---|---|---|",
@@ -148,7 +158,11 @@ def plot(rows: list[dict], path: Path, rate: float, title: str) -> None:
     middle.plot(t, [row["p99_ms"] for row in rows], color="tab:red", label="p99")
     middle.plot(t, [row["p50_ms"] for row in rows], color="tab:blue", label="p50", lw=1)
     middle.set_ylabel("latency (ms)")
-    middle.legend(fontsize=7)
+    middle.legend(fontsize=7, loc="upper left")
+    in_flight = middle.twinx()
+    in_flight.plot(t, [row["peak_in_flight"] for row in rows], color="grey", lw=0.8, label="peak in flight")
+    in_flight.set_ylabel("requests in flight (peak)")
+    in_flight.legend(fontsize=7, loc="upper right")
     bottom.plot(t, [row["rss_mb"] for row in rows], color="tab:purple")
     bottom.axvline(WARM_UP_S, ls=":", color="black", lw=0.8)
     bottom.set_ylabel("server RSS (MB)")

@@ -8,6 +8,7 @@ their queues, and the process exits 0. A second SIGTERM, or SIGINT, skips the dr
 """
 
 import argparse
+import asyncio
 import logging
 import signal
 import sys
@@ -82,20 +83,39 @@ def _quiet_startup_refusal(app: FastAPI):
     return wrapped
 
 
+class _Refused:
+    """Stands in for uvicorn's RequestResponseCycle of a request answered at admission: complete, so the parser
+    callbacks that follow (body, end of message, connection lost) drop the body and wake nobody."""
+
+    response_complete = True
+    message_event = asyncio.Event()  # connection_lost sets it; nobody waits on it
+
+
+_REFUSED = _Refused()
+
+
 def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol, except that a request refused at admission is answered right where its
-    headers are parsed, without an ASGI task: under a flood most requests are refusals, and each one costs
-    the core the model runs on."""
+    """uvicorn's httptools protocol, except that a POST refused at admission is answered as soon as its headers are
+    parsed, before uvicorn builds the request's scope path, cycle, timers and ASGI task: under a flood most
+    requests are refusals, and each one costs the core the model runs on. Written against uvicorn 0.54's
+    callbacks (`pyproject.toml` pins the minor version; tests/test_service_reliability.py fails if the hook stops
+    being called). Anything unusual (a pipelined request, an upgrade, a query string) takes uvicorn's path,
+    where the ASGI middleware applies the same limit."""
 
     class AdmittingHttpToolsProtocol(HttpToolsProtocol):
-        def _start_asgi_task(self, cycle, asgi_app) -> None:
-            refusal = app.request_context.refusal(cycle.scope) if app.request_context is not None else None
+        def on_headers_complete(self) -> None:
+            context = app.request_context
+            refusal = None
+            if (context is not None and self.parser.get_method() == b"POST" and not self.parser.should_upgrade()
+                    and (self.cycle is None or self.cycle.response_complete)):  # fmt: skip
+                refusal = context.refusal(self.url, self.headers, self.client)
             if refusal is None:
-                super()._start_asgi_task(cycle, asgi_app)
+                super().on_headers_complete()
                 return
-            cycle.response_started = cycle.response_complete = True  # its body, if any, is read and dropped
+            self.cycle = _REFUSED  # its body, if any, is read and dropped
             self.transport.write(refusal)
-            if cycle.keep_alive and not app.state.service.draining:
+            keep_alive = self.parser.should_keep_alive() and self.parser.get_http_version() != "1.0"
+            if keep_alive and not app.state.service.draining:
                 self.on_response_complete()
             else:
                 self.transport.close()

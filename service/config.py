@@ -49,7 +49,14 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1 << 20, ge=1)
     # Admission control, like text-embeddings-inference's max-concurrent-requests: requests in progress per
     # task route; one more is refused with 429 before its body is read, so refusing costs next to nothing.
-    max_concurrent_requests: int = Field(32, ge=1)
+    # Two limits, because a stall and a flood look alike for a moment but need opposite answers: a stall of the
+    # core (another process, a long batch) briefly piles up requests that are served soon after, a flood keeps
+    # the pile there. The burst limit absorbs stalls; while the route is flooded (it refuses more than one request
+    # for every two it completes, service/middleware.py) it admits only `shed_concurrent_requests`, about what
+    # keeps one core's model busy, so accepted requests keep their unloaded latency
+    # (benchmarks/results/overload-*.md, soak-*.md).
+    max_concurrent_requests: int = Field(128, ge=1)
+    shed_concurrent_requests: int = Field(8, ge=1)
 
     # SIGTERM: /readyz turns 503 at once and answers carry `Connection: close` for this long, so load
     # balancers and keep-alive clients move away; then the server stops accepting, finishes what it

@@ -218,6 +218,106 @@ async def test_over_the_concurrency_limit_is_429_before_the_body_is_read(models_
             assert 'linformer_rejected_requests_total{reason="concurrency",route="/classify"} 1.0' in metrics
 
 
+async def test_a_flooded_route_sheds_to_the_lower_limit_and_returns_to_the_burst_limit_after_it(models_dir):
+    """Up to LINFORMER_MAX_CONCURRENT_REQUESTS in progress are let in (a stall's pile-up is served); once the route
+    refuses more than it can explain by a stall (more than one refusal per two completions, and more than the
+    shedding limit), it admits only LINFORMER_SHED_CONCURRENT_REQUESTS, and a quiet window later the burst limit
+    again."""
+    from service.app import create_app
+
+    settings = make_settings(models_dir, translate_model="", max_concurrent_requests=2, shed_concurrent_requests=1)
+    app = create_app(settings, wrap_runtime=lambda runtime: SlowRuntime(runtime, 0.3))
+    async with app.router.lifespan_context(app):
+        import httpx
+
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+
+            def started():
+                return asyncio.create_task(client.post("/classify", json={"text": "the film"}))
+
+            burst = [started(), started()]
+            await asyncio.sleep(0.05)
+            for _ in range(2):  # two refusals and nothing completed yet: a flood
+                refused = await started()
+                assert refused.status_code == 429 and "LINFORMER_MAX_CONCURRENT_REQUESTS" in refused.text
+            assert [r.status_code for r in await asyncio.gather(*burst)] == [200, 200]
+            busy = started()  # shedding: 1 in progress is the limit now
+            await asyncio.sleep(0.05)
+            shed = await started()
+            assert shed.status_code == 429 and "LINFORMER_SHED_CONCURRENT_REQUESTS" in shed.text
+            assert (await busy).status_code == 200
+            await asyncio.sleep(0.6)  # windows without a flood: the burst limit again
+            assert [r.status_code for r in await asyncio.gather(started(), started())] == [200, 200]
+
+
+class _RecordingTransport:
+    """Enough of an asyncio transport for uvicorn's protocol, keeping what is written."""
+
+    def __init__(self):
+        self.written, self.closed = b"", False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default=None):
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 40000)}.get(name, default)
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+async def test_a_refusal_is_written_by_the_header_parser_callback_without_an_asgi_task(models_dir):
+    """The served protocol answers a 429 inside the parser callback, before uvicorn starts an ASGI task, keeps the
+    connection for the next request, and lets a request under the limit through to the app. Written against
+    uvicorn's callbacks (on_headers_complete, self.url/headers/cycle): this fails if an upgrade changes them."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from service.__main__ import _admitting_protocol
+    from service.app import create_app
+
+    app = create_app(make_settings(models_dir, translate_model="", max_concurrent_requests=1))
+    protocol_class = _admitting_protocol(app)
+    config = uvicorn.Config(app, http=protocol_class, log_config=None)
+    config.load()
+    app.build_middleware_stack()
+    server_state = ServerState()
+    protocol = protocol_class(config, server_state, {}, _loop=asyncio.get_running_loop())
+    transport = _RecordingTransport()
+    protocol.connection_made(transport)
+    body = b'{"text": "the film"}'
+    request = b"POST /classify HTTP/1.1\r\nhost: x\r\nx-request-id: r-7\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(body), body)  # fmt: skip
+
+    app.request_context.in_flight["/classify"] = 1  # at capacity
+    protocol.data_received(request)
+    head, _, answer = transport.written.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 429 ") and b"retry-after: 1" in head and b"x-request-id: r-7" in head
+    assert b"content-length: %d" % len(answer) in head
+    assert json.loads(answer)["error"] == {
+        "code": "overloaded", "request_id": "r-7",
+        "message": "/classify is at capacity (1 requests in progress, LINFORMER_MAX_CONCURRENT_REQUESTS); "
+                   "retry after the time in Retry-After",
+    }  # fmt: skip
+    assert not server_state.tasks and not transport.closed and server_state.total_requests == 1
+
+    transport.written = b""
+    app.request_context.in_flight["/classify"] = 0  # a slot is free: the same connection reaches the app
+    protocol.data_received(request)
+    assert transport.written == b"" and len(server_state.tasks) == 1
+    for task in list(server_state.tasks):
+        task.cancel()  # the app's lifespan is not running here: only that the request got its task matters
+    protocol.connection_lost(None)
+
+
 async def _asgi_post_without_body(app) -> tuple[int, dict, bytes]:
     sent: list[dict] = []
     never = asyncio.Event()
