@@ -56,7 +56,7 @@ class Settings(BaseSettings):
     # keeps one core's model busy, so accepted requests keep their unloaded latency
     # (benchmarks/results/overload-*.md, soak-*.md).
     max_concurrent_requests: int = Field(128, ge=1)
-    shed_concurrent_requests: int = Field(8, ge=1)
+    shed_concurrent_requests: int = Field(16, ge=1)
 
     # SIGTERM: /readyz turns 503 at once and answers carry `Connection: close` for this long, so load
     # balancers and keep-alive clients move away; then the server stops accepting, finishes what it
