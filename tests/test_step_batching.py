@@ -33,19 +33,19 @@ MIXED = [LOAD_TEXTS["128"][0], *SHORT_TEXTS, LOAD_TEXTS["64"][0], LOAD_TEXTS["16
 
 
 class RecordingLive(LiveDecode):
-    """LiveDecode that notes, before each step, the distinct target lengths in its one decoder call and the sources
-    live (and may slow each step down)."""
+    """LiveDecode that notes, before each trip of steps, the most distinct target lengths in one of its decoder
+    calls and the sources live (and may slow each step down)."""
 
     def __init__(self, runtime, step_delay_s: float = 0.0):
         super().__init__(runtime)
         self.step_delay_s = step_delay_s
         self.steps: list[tuple[int, set]] = []  # (distinct lengths, keys) before each step
 
-    def step(self):
-        lengths = set(self.buffers.lengths[: self.rows].tolist()) if self.buffers else set()
-        self.steps.append((len(lengths), {search.key for search in self.searches}))
-        time.sleep(self.step_delay_s)
-        return super().step()
+    def step(self, steps=1):
+        distinct = [len(set(c.buffers.lengths[: c.rows].tolist())) for c in self.cohorts.values() if c.buffers]
+        self.steps.append((max(distinct, default=0), {search.key for search in self.searches}))
+        time.sleep(self.step_delay_s * steps)
+        return super().step(steps)
 
 
 class Recorded:
@@ -136,27 +136,32 @@ async def test_beam_search_and_greedy_sharing_steps_equal_each_decoded_alone():
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
-def test_rows_of_different_lengths_share_one_decoder_call_and_decode_as_alone(beam_size):
+def test_rows_of_different_lengths_share_one_decoder_call_per_width_class_and_decode_as_alone(beam_size):
     from service.batcher import pad
 
     _, tokenizer, runtime = translator("translate-linformer")
-    texts = [LOAD_TEXTS["64"][0], LOAD_TEXTS["16"][1], SHORT_TEXTS[2]]
+    texts = [LOAD_TEXTS["128"][0], LOAD_TEXTS["128"][1], SHORT_TEXTS[2]]
+    ids = [source_ids(tokenizer, t) for t in texts]
+    wide, narrow = LiveDecode.width_class(len(ids[0])), LiveDecode.width_class(len(ids[2]))
+    assert LiveDecode.width_class(len(ids[1])) == wide != narrow
     live = runtime.live()
     calls = []
     run_with_iobinding = runtime.decoder.run_with_iobinding
-    live.admit(*pad([source_ids(tokenizer, texts[0])], 0), [("old", (beam_size, 256))])
+    live.admit(*pad(ids[:1], 0), [("old", (beam_size, 256))])
     for _ in range(3):
         live.step()
-    live.admit(*pad([source_ids(tokenizer, t) for t in texts[1:]], 0), [("new", (beam_size, 256)),
-                                                                        ("newer", (beam_size, 256))])  # fmt: skip
-    assert sorted(set(live.buffers.lengths[: live.rows].tolist())) == [0, 3] and live.rows == 3 * beam_size
+    live.admit(*pad(ids[1:], 0), [("new", (beam_size, 256)), ("newer", (beam_size, 256))])
+    # old and new: one cohort, rows at target lengths 3 and 0; newer, a short source, decodes in its own
+    cohort = live.cohorts[wide]
+    assert sorted(set(cohort.buffers.lengths[: cohort.rows].tolist())) == [0, 3] and cohort.rows == 2 * beam_size
+    assert live.cohorts[narrow].rows == beam_size and live.cohorts[narrow].buffers.memory < cohort.buffers.memory
     outputs: dict = {}
     try:
-        runtime.decoder.run_with_iobinding = lambda binding: calls.append(live.rows) or run_with_iobinding(binding)
-        finished, failed = live.step()  # old and new rows in one call
+        runtime.decoder.run_with_iobinding = lambda binding: calls.append(binding) or run_with_iobinding(binding)
+        finished, failed = live.step()  # one call per width class
     finally:
         del runtime.decoder.run_with_iobinding
-    assert calls == [3 * beam_size] and not failed
+    assert len(calls) == 2 and not failed
     outputs.update(finished)
     while live.rows:
         finished, failed = live.step()
@@ -164,7 +169,7 @@ def test_rows_of_different_lengths_share_one_decoder_call_and_decode_as_alone(be
         outputs.update(finished)
     assert outputs == {key: alone(runtime, tokenizer, text, beam_size)
                        for key, text in zip(("old", "new", "newer"), texts, strict=True)}  # fmt: skip
-    assert live.buffers is None  # nothing held once nobody is live
+    assert not live.cohorts  # nothing held once nobody is live
 
 
 def make_step_batcher(live, **overrides) -> StepBatcher:
