@@ -42,6 +42,7 @@ from onnx import TensorProto, helper, numpy_helper
 from export.ctranslate2 import graph_facts
 
 OPSET = 17
+IR_VERSION = 8
 STEP_INTERFACE = "step: past_lengths, cache buffers bound as past and present (GroupQueryAttention)"
 
 
@@ -154,7 +155,10 @@ def build_step_decoder(weights: dict[str, np.ndarray], facts: dict, config: dict
     ]  # fmt: skip
     graph = helper.make_graph(g.nodes, "translate_step_decoder", inputs, outputs, list(g.initializers.values()))
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets, producer_name="linformer-serve export.step_decoder")
+    # IR 8, as torch.onnx.export writes the encoders: onnx's default (the newest IR) does not load in the older
+    # onnxruntime releases pyproject.toml allows (1.20 reads IR <= 10)
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="linformer-serve export.step_decoder",
+                              ir_version=IR_VERSION)
     onnx.checker.check_model(model)
     return model
 

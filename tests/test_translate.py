@@ -182,6 +182,17 @@ def test_service_runtime_decodes_like_pytorch(exported, beam_size):
         assert served == beam_search(task.model, src, mask, beam_size, 16)
 
 
+def test_service_runtime_refuses_an_onnxruntime_that_decodes_the_step_form_wrongly(exported, monkeypatch):
+    """1.20 loads the step-form decoder but decodes batches wrongly (service/runtime.py): refuse it by name."""
+    _, bundle, config = exported
+    encoder, decoder = sessions(bundle)
+    monkeypatch.setattr("service.runtime.ort.__version__", "1.20.1")
+    with pytest.raises(ValueError, match="needs onnxruntime >= 1.21, this is 1.20.1"):
+        TranslatorRuntime(encoder, decoder, n_layers=config["n_decoder_layers"], n_heads=config["n_heads"],
+                          head_dim=config["head_dim"], tgt_n_max=config["tgt_n_max"], bos_id=BOS_ID,
+                          eos_id=EOS_ID)  # fmt: skip
+
+
 def test_vanilla_transformer_exports_with_the_same_contract(tmp_path):
     bundle, _ = build_tiny_translate_bundle(tmp_path / "translate-transformer", attention="transformer")
     config = json.loads((bundle / "config.json").read_text())
