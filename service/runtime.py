@@ -177,7 +177,7 @@ class TranslatorRuntime:
         return self.decoder.get_providers()[0]
 
     def live(self) -> "LiveDecode":
-        return LiveDecode(self, trim_when_idle=True)
+        return LiveDecode(self)
 
     def run(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, options,
@@ -185,6 +185,7 @@ class TranslatorRuntime:
     ) -> list[list[int]]:
         between_steps = between_steps or (lambda: None)
         live = LiveDecode(self)
+        sources = set(range(len(input_ids)))
         try:
             live.admit(input_ids, attention_mask, [(row, options) for row in range(len(input_ids))])
             outputs: dict[Hashable, list[int]] = {}
@@ -195,10 +196,8 @@ class TranslatorRuntime:
                     raise error
                 outputs.update(finished)
             return [outputs[row] for row in range(len(input_ids))]
-        finally:
-            if live.peak_bytes >= BIG_DECODE_BYTES:
-                del live
-                _return_freed_memory()
+        finally:  # an abandoned or failed batch's rows leave too, and LiveDecode trims after big buffers
+            live.drop(sources)
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> list[np.ndarray]:
         """Padded sources -> cross keys/values per decoder layer (rows, H, S', hd) and cross_mask (rows, S')."""
@@ -231,13 +230,12 @@ class _Search:
             return [], []
         return [0], [token]
 
-    def advance(self, logits: np.ndarray, log_probs: np.ndarray | None, step: int) -> tuple[list[int], list[int]]:
-        """This source's rows' next-token logits (beam, V) at `step` -> (rows to keep, their next tokens), both
-        empty once the search has ended (then `output` holds the result)."""
-        if self.beam == 1:
-            return self.advance_greedy(int(logits[0].argmax()), step)
+    def advance(self, log_probs: np.ndarray, step: int) -> tuple[list[int], list[int]]:
+        """Beam search (beam > 1; beam 1 is `advance_greedy`): this source's rows' next-token log-probabilities
+        (beam, V) at `step` -> (rows to keep, their next tokens), both empty once the search has ended (then
+        `output` holds the result)."""
         at_limit = step == self.max_new_tokens - 1
-        beam, vocab = self.beam, logits.shape[-1]
+        beam, vocab = self.beam, log_probs.shape[-1]
         candidates = (self.scores[:, :, None] + log_probs.reshape(1, beam, vocab)).reshape(1, -1)
         top = np.argpartition(-candidates, 2 * beam, axis=1)[:, : 2 * beam]
         top = np.take_along_axis(top, np.argsort(-np.take_along_axis(candidates, top, 1), 1, kind="stable"), 1)
@@ -432,8 +430,7 @@ class _Cohort:
             if search.beam == 1:
                 kept, tokens = search.advance_greedy(int(best[rows[0]]), step)
             else:
-                chosen = logits[rows]
-                kept, tokens = search.advance(chosen, _log_softmax(chosen), step)
+                kept, tokens = search.advance(_log_softmax(logits[rows]), step)
             if search.output is not None:
                 finished[search.key] = search.output
                 continue
@@ -487,12 +484,10 @@ class LiveDecode:
     (issue #17's profile, README). Within a cohort, rows of any target length share the call (_DecodeBuffers).
     """
 
-    def __init__(self, runtime: TranslatorRuntime, *, trim_when_idle: bool = False):
-        """`trim_when_idle`: give freed heap pages back to the OS when the last source leaves after buffers of
-        BIG_DECODE_BYTES or more (as `run` does after such a batch), so a burst does not leave a long-lived decode
-        loop's process at its peak."""
+    def __init__(self, runtime: TranslatorRuntime):
+        """When the last source leaves after buffers of BIG_DECODE_BYTES or more, freed heap pages go back to the
+        OS, so a burst does not leave the process at its peak (one batch of `run`, or a long-lived decode loop)."""
         self.runtime = runtime
-        self.trim_when_idle = trim_when_idle
         self.cohorts: dict[int, _Cohort] = {}  # width class -> its rows, narrowest first
         self.peak_bytes = 0  # the largest buffers held since the last trim
 
@@ -566,7 +561,7 @@ class LiveDecode:
 
     def _forget_empty_cohorts(self) -> None:
         self.cohorts = {width: cohort for width, cohort in self.cohorts.items() if cohort.searches}
-        if not self.cohorts and self.trim_when_idle and self.peak_bytes >= BIG_DECODE_BYTES:
+        if not self.cohorts and self.peak_bytes >= BIG_DECODE_BYTES:
             _return_freed_memory()
             self.peak_bytes = 0
 
