@@ -26,7 +26,7 @@ from service.deps import ModelService, ServiceState
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
-from service.routes import ClassifyEndpoint, router
+from service.routes import ClassifyEndpoint, classification_json, router
 from service.runtime import ClassifierRuntime, TranslatorRuntime, choose_providers, make_session, probabilities
 from service.tokenizer import Tokenizer
 
@@ -99,10 +99,10 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
 
             def run_batch(input_ids, attention_mask, options, stop_if_abandoned, runner=runner):
                 return runner.run(input_ids, attention_mask, options, stop_if_abandoned)
-        else:  # one ORT call: nothing to stop half-way; the routes answer probabilities
+        else:  # one ORT call: nothing to stop half-way; each row comes back as the JSON the route answers
 
-            def run_batch(input_ids, attention_mask, _options, _stop_if_abandoned, runner=runner):
-                return probabilities(runner.run(input_ids, attention_mask))
+            def run_batch(input_ids, attention_mask, _options, _stop_if_abandoned, runner=runner, labels=bundle.labels):
+                return classification_json(probabilities(runner.run(input_ids, attention_mask)), labels)
 
         batching = dict(
             name=bundle.name,

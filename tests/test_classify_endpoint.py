@@ -76,3 +76,31 @@ async def test_the_endpoint_counts_its_requests_under_its_route(clients):
     metrics = (await served.get("/metrics")).text
     assert 'linformer_requests_total{route="/classify",status="200"} 1.0' in metrics
     assert 'linformer_requests_total{route="/classify",status="422"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("rows", [[[0.25, 0.75]], [[1.0, 0.0], [1 / 3, 2 / 3]], [[float("nan"), 0.5]],
+                                  [[1e-300, 1.0 - 1e-16]]])  # fmt: skip
+def test_a_batch_formats_each_result_as_json_dumps_would(rows):
+    """The rows are formatted per batch with repr, not json.dumps: the same bytes, NaN spelled as json does."""
+    import json
+
+    from service.routes import classification_json
+
+    labels = ["negative", 'pos"itive']
+    for row, fragment in zip(rows, classification_json(rows, labels), strict=True):
+        best = max(range(len(row)), key=row.__getitem__)
+        scores = dict(zip(labels, row, strict=True))
+        expected = json.dumps({"label": labels[best], "score": row[best], "scores": scores})
+        assert "{" + fragment + "}" == expected
+
+
+async def test_the_answer_is_the_json_of_the_response_model(clients):
+    """The JSON built as text parses into the documented response and matches the FastAPI route's."""
+    from service.schemas import ClassifyResponse
+
+    served, _ = clients
+    answer = await served.post("/classify", json={"texts": ["a moving story", "the film " * 80], "truncate": True})
+    response = ClassifyResponse.model_validate_json(answer.content)
+    assert [r.truncated for r in response.results] == [False, True]
+    assert [r.label == max(r.scores, key=r.scores.get) for r in response.results] == [True, True]
+    assert all(abs(sum(r.scores.values()) - 1) < 1e-6 for r in response.results)

@@ -269,3 +269,80 @@ def test_padding_leaves_real_tokens_first():
     batcher._pad_and_run([[1, 2, 3], [4]], None, lambda: None)
     np.testing.assert_array_equal(captured["ids"], [[1, 2, 3], [4, 9, 9]])
     np.testing.assert_array_equal(captured["mask"], [[1, 1, 1], [1, 0, 0]])
+
+
+# ---- the disconnect watch (service/routes.py), with receive callables of each shape it may meet ----
+
+
+async def test_the_disconnect_watch_fires_once_on_disconnect_whatever_receive_awaits():
+    from service.routes import _DisconnectWatch
+
+    gone = asyncio.Event()
+
+    async def on_an_event():
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def on_bare_yields():  # asyncio.sleep(0) yields None, not a future
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return {"type": "http.disconnect"}
+
+    async def after_a_timer():
+        await asyncio.sleep(0.01)
+        return {"type": "http.disconnect"}
+
+    async def failing():
+        raise RuntimeError("the server's receive broke")
+
+    for receive in (on_an_event, on_bare_yields, after_a_timer, failing):
+        fired = []
+        watch = _DisconnectWatch(receive, lambda fired=fired: fired.append(1))
+        gone.set()
+        await asyncio.sleep(0.05)
+        assert fired == [1] and watch.fired, receive.__name__
+        watch.close()
+        gone.clear()
+
+
+async def test_a_closed_disconnect_watch_never_fires_and_leaves_nothing_waiting():
+    from service.routes import _DisconnectWatch
+
+    gone = asyncio.Event()
+    closed = []
+
+    async def receive():
+        try:
+            await gone.wait()
+        finally:
+            closed.append(1)  # the coroutine is closed, not left suspended
+        return {"type": "http.disconnect"}
+
+    fired = []
+    watch = _DisconnectWatch(receive, lambda: fired.append(1))
+    watch.close()
+    gone.set()
+    await asyncio.sleep(0.01)
+    assert fired == [] and not watch.fired and closed == [1]
+    assert not gone._waiters  # no future of the event still waits
+
+
+async def test_queued_cost_follows_the_queue_through_submits_drops_and_batches():
+    runtime = RecordingRuntime(delay_s=0.05)
+    batcher = make_batcher(runtime, max_batch_size=2, max_queue=6)
+    batcher.start()
+    first = asyncio.create_task(batcher.submit([[1]], timeout_s=5))
+    await asyncio.sleep(0.01)  # computing
+    waiting = [asyncio.create_task(batcher.submit([[1]] * 2, timeout_s=5)) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert batcher._queued_cost == 6
+    waiting[0].cancel()  # its client left: its texts stay queued (and counted) until looked at
+    await asyncio.sleep(0)
+    assert batcher._queued_cost == 6
+    # a full queue looks before refusing: the cancelled request's room is free
+    late = asyncio.create_task(batcher.submit([[1]] * 2, timeout_s=5))
+    await asyncio.sleep(0)
+    assert batcher._queued_cost == 6 and batcher.queue_depth == 6
+    await asyncio.gather(first, *waiting[1:], late)
+    assert batcher._queued_cost == 0 and batcher.queue_depth == 0
+    await batcher.close()
