@@ -476,7 +476,8 @@ class _Cohort:
 class LiveDecode:
     """The sources being decoded, step by step: they join (`admit`), advance one token per `step` and leave
     when their search ends (returned by `step`) or when told to (`drop`). Sources are named by keys the caller
-    chooses. Mechanics only: who joins and when is the caller's policy. Not thread-safe: one thread drives it.
+    chooses. Mechanics only: who joins, when, and which width classes step is the caller's policy. Not thread-safe:
+    one thread drives it.
 
     Live rows are grouped by source width into cohorts (sources of up to 64, 128, 256, ... tokens), one decoder
     call per cohort per step, each call's cross keys padded to its own longest source only. One call for every
