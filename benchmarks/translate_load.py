@@ -13,10 +13,12 @@ Load: N closed-loop users (keep-alive HTTP/1.1, no think time), each sending one
 EN-DE test source cut to exactly n tokens (loadtest/texts.py), n drawn uniformly from the lengths (8-256), greedy,
 max_new_tokens = 2n + 8 as the Locust file sends. Each user's sequence of lengths is seeded by its index, so
 every deployment gets the same requests in the same order. For each user count, the deployments take turns
-(the order rotating), after one sequential request per length and --warmup seconds of unrecorded load at the
-same user count (batch shapes that only form under load allocate on first use). Latency percentiles are per
-source-length bucket over every request sent in the run (the last ones finish after the clock); throughput counts
-the generated tokens (the reply's `tokens`) of the replies that arrived within the run's duration.
+(the order rotating), after one sequential request per length; then the users run --warmup + --duration seconds
+and only the requests sent in the last --duration are recorded (batch shapes that only form under load allocate on
+first use, and the users' simultaneous first requests are not the steady state; until issue #17's fourth round the
+warm-up was a loop of its own and the recorded loop began with that burst too). Latency percentiles are per
+source-length bucket over every request sent in the recorded window (the last ones finish after the clock);
+throughput counts the generated tokens (the reply's `tokens`) of the replies that arrived within it.
 
     .venv/bin/python -m benchmarks.translate_load --deployments ours-request-fp32,ct2-fp32 --users 1,4,16 \
         --duration 30 [--out benchmarks/results/translate-load]
@@ -123,9 +125,15 @@ def request_for(n: int, variant: int) -> bytes:
     return post_request("/translate", json.dumps(body).encode())
 
 
-async def closed_loop(port: int, users: int, seconds: float, lengths: tuple[int, ...]) -> list[Record]:
+async def closed_loop(
+    port: int, users: int, seconds: float, lengths: tuple[int, ...], warmup_s: float = 0.0
+) -> list[Record]:
+    """`users` closed-loop users for warmup_s + seconds; the requests sent in the last `seconds` are recorded (times
+    from the start of that window). The users start together, so the first requests arrive as one burst; recording
+    after a warm-up in the same loop measures the steady state, not that burst (which a load test with staggered
+    starts, such as Locust's spawn rate, does not have either)."""
     records: list[Record] = []
-    started = time.perf_counter()
+    started = time.perf_counter() + warmup_s  # the recorded window's start
 
     async def user(index: int) -> None:
         rng = random.Random(index)  # the same request sequence for every deployment
@@ -139,7 +147,8 @@ async def closed_loop(port: int, users: int, seconds: float, lengths: tuple[int,
                 status, tokens = 0, 0
                 conn.close()
                 conn = await Connection.open(port)
-            records.append(Record(n, now, time.perf_counter() - started - now, status, tokens))
+            if now >= 0:
+                records.append(Record(n, now, time.perf_counter() - started - now, status, tokens))
             sent += 1
         conn.close()
 
@@ -287,10 +296,9 @@ def main(argv: list[str] | None = None) -> None:
             for deployment in args.deployments[turn:] + args.deployments[:turn]:
                 port = servers[deployment][0]
                 warm_up(port, args.lengths)
-                # and at this concurrency, unrecorded: batch shapes only seen under load allocate on first use
-                asyncio.run(closed_loop(port, users, args.warmup, args.lengths))
                 load = load_average()
-                records = asyncio.run(closed_loop(port, users, args.duration, args.lengths))
+                # the first --warmup seconds unrecorded: batch shapes only seen under load allocate on first use
+                records = asyncio.run(closed_loop(port, users, args.duration, args.lengths, args.warmup))
                 row, per_bucket = summarise(deployment, users, args.duration, records, load)
                 rows.append(row)
                 buckets += per_bucket

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -324,22 +324,49 @@ class LiveDecoding(Protocol):
     rows: int  # cache rows live now (beams count)
     cache_tokens: int  # positions their caches hold (source + target so far, per row)
 
+    widths: list[int]  # width classes with live rows, narrowest first
+
     def rows_for(self, options: Hashable) -> int: ...
+
+    def width_class(self, source_length: int) -> int: ...
 
     def admit(self, input_ids: np.ndarray, attention_mask: np.ndarray, sources: list[tuple[Hashable, Any]]) -> None: ...
 
-    def step(self, steps: int = 1) -> tuple[dict[Hashable, Any], dict[Hashable, Exception]]: ...
+    def step(
+        self, steps: int = 1, widths: Collection[int] | None = None, budget_s: float | None = None
+    ) -> tuple[dict[Hashable, Any], dict[Hashable, Exception]]: ...
 
     def drop(self, keys: set) -> None: ...
 
 
-# Decoder steps per trip to the compute thread: each live cohort takes this many steps back to back before the
-# event loop admits, drops and answers again. One step per trip made every call interleave with the other cohorts'
-# and the encoder, and each call ran 30-40 % slower than back to back (cold caches); 4 gave 1.12x the tokens/s at
-# 16 users in-process with a lower short p99 (issue #17's profile). The cost: a source that ends mid-trip, or
-# arrives during one, waits for the trip (at most 4 steps of every cohort, ~5 ms at 16 users); one source alone
-# is answered when it ends (its cohort stops stepping once empty).
+# Decoder steps per trip to the compute thread: each cohort served takes up to this many steps back to back before
+# the event loop admits, drops and answers again. One step per trip made every call interleave with the other
+# cohorts' and the encoder, and each call ran 30-40 % slower than back to back (cold caches); 4 gave 1.12x the
+# tokens/s at 16 users in-process with a lower short p99 (issue #17's profile). A cohort stops early once the trip's
+# steps have taken TRIP_BUDGET_S (at least one step each), and a trip encodes at most ENCODE_TOKENS_PER_TRIP source
+# tokens of arrivals (at least one source): whatever arrives or ends during a trip waits for it, and 4 steps of 12
+# rows of 256-token sources take ~7 ms, encoding one such source 3.2 ms.
 STEPS_PER_TRIP = 4
+TRIP_BUDGET_S = 0.001
+ENCODE_TOKENS_PER_TRIP = 256
+
+# Short sources first (shortest remaining work first, by width class: a source's max_new_tokens, and so its work,
+# grows with its length). While more than one width class has work (live rows or queued sources), trips serve the
+# narrowest class alone (its arrivals encoded, its cohort stepped) and the wider classes wait, except that they get
+# a trip of their own once the narrow trips since their last one have taken (1 - WIDE_SHARE) / WIDE_SHARE times as
+# long as it did. So while short work never runs out, the wider sources still get WIDE_SHARE of the compute thread
+# and are never starved: a long source is slowed by short ones at most ~1 / WIDE_SHARE = 4 times (measured at 16
+# users: README, Step-level batching). A short source no longer waits at every trip for the wide cohorts' steps
+# and the long sources' encodes (issue #17: its p99 at 16 users was 11.6x its 1-user p99). A lower share cut the
+# short p99 little (20-24 against 24-26 ms at 0.15 against 0.25, development runs) for 30 % more on the longest.
+WIDE_SHARE = 0.25
+
+
+@dataclass
+class _Trip:
+    widths: list[int] | None  # the width classes whose cohorts step (None: every class)
+    joining: list[_Item]  # queued sources admitted first
+    kind: str  # "narrow": the narrowest class while wider ones wait, "wide": theirs, "only": one class has work
 
 
 class StepBatcher(Batcher):
@@ -347,16 +374,18 @@ class StepBatcher(Batcher):
 
     The request side is Batcher's: the same queue bounded by cost (QueueFull, Retry-After), deadlines and
     dropping of queued items whose client went away. The worker differs: instead of decoding a batch of
-    whole requests until its last sentence ends, it runs decoder steps over the live sources, STEPS_PER_TRIP at
-    a time in the compute thread, and between those trips (1) drops each live source whose request is gone or
+    whole requests until its last sentence ends, it runs decoder steps over the live sources, up to STEPS_PER_TRIP
+    at a time in the compute thread, and between those trips (1) drops each live source whose request is gone or
     past its deadline (the per-source form of `stop_if_abandoned`), (2) admits queued sources, oldest first,
     while the live sources stay within `max_batch_size` texts and `max_batch_tokens` cache positions (rows x
     (source + target so far): what the next steps will read), and (3) answers each source whose search ended
-    during the trip. Sources with any options share the steps (each keeps its own beam size and length limit);
-    a request's beams join and leave together. When nothing is live, the oldest queued source may wait
-    `max_wait_s` for companions, as in Batcher. A runtime error fails the sources it hit (BatchFailed), not the
-    others. Every step advances every live row, one decoder call per width class of sources, whatever the
-    rows' target lengths (the runtime's cache keeps one length per row).
+    during the trip. Each trip serves the width classes of sources that `_plan_trip` picks: short sources first,
+    the wider classes at a bounded share (WIDE_SHARE); a class's arrivals are admitted on its trips. Sources with
+    any options share the steps (each keeps its own beam size and length limit); a request's beams join and
+    leave together. When nothing is live, the oldest queued source may wait `max_wait_s` for companions, as in
+    Batcher. A runtime error fails the sources it hit (BatchFailed), not the others. A step advances every live
+    row of the classes served, one decoder call per width class, whatever the rows' target lengths (the
+    runtime's cache keeps one length per row).
     """
 
     def __init__(self, live: LiveDecoding, **batcher_settings: Any):
@@ -365,6 +394,8 @@ class StepBatcher(Batcher):
         self._live_items: list[_Item] = []  # admission order
         self._cost_done = 0  # cost of the sources answered since the last throughput update
         self._busy_s = 0.0  # compute time since then
+        self._narrow_s = 0.0  # compute time of narrow-only trips since the wider classes' last trip
+        self._narrow_allowance_s = 0.0  # how much of it they may take before the wider classes' next trip
 
     @staticmethod
     def _no_whole_batches(*_args: Any) -> Sequence[Any]:
@@ -390,24 +421,44 @@ class StepBatcher(Batcher):
                 if wait_left > 0 and not self._plan_admission()[1]:
                     await self._wait_for_arrival(wait_left)
                     continue
-            joining, _ = self._plan_admission()
-            if joining:
-                taken = set(map(id, joining))
+            trip = self._plan_trip()
+            if trip.joining:
+                taken = set(map(id, trip.joining))
                 self._queue = [item for item in self._queue if id(item) not in taken]
                 self._set_depth()
-                self._live_items += joining
+                self._live_items += trip.joining
                 if self.metrics:
                     now = time.monotonic()
-                    for item in joining:
+                    for item in trip.joining:
                         self.metrics.queue_wait.labels(self.name).observe(now - item.enqueued_at)
             started = time.monotonic()
             try:
-                finished, failed = await loop.run_in_executor(self._executor, self._advance, joining, leaving)
+                finished, failed = await loop.run_in_executor(
+                    self._executor, self._advance, trip.joining, leaving, trip.widths
+                )
             except Exception as error:  # a fault outside any one decoder call: nothing live can be trusted
                 finished, failed = {}, dict.fromkeys(self._live_items, error)
                 self.live.drop(set(self._live_items))
-            self._busy_s += time.monotonic() - started
+            elapsed = time.monotonic() - started
+            self._busy_s += elapsed
+            if trip.kind == "narrow":
+                self._narrow_s += elapsed
+            elif trip.kind == "wide":  # the narrowest class has the next trips, for as long as WIDE_SHARE allows
+                self._narrow_s, self._narrow_allowance_s = 0.0, elapsed * (1 - WIDE_SHARE) / WIDE_SHARE
             self._answer(finished, failed)
+
+    def _plan_trip(self) -> _Trip:
+        """Which width classes the next trip serves and which queued sources join them (see WIDE_SHARE)."""
+        classes = set(self.live.widths) | {self.live.width_class(item.length) for item in self._queue}
+        if len(classes) <= 1:
+            return _Trip(None, self._plan_admission(None, ENCODE_TOKENS_PER_TRIP)[0], "only")
+        narrowest = min(classes)
+        if self._narrow_s < self._narrow_allowance_s:
+            joining, _ = self._plan_admission([narrowest], ENCODE_TOKENS_PER_TRIP)
+            if joining or narrowest in self.live.widths:  # else its arrivals wait for room the wider ones free
+                return _Trip([narrowest], joining, "narrow")
+        wider = sorted(classes - {narrowest})
+        return _Trip(wider, self._plan_admission(wider, ENCODE_TOKENS_PER_TRIP)[0], "wide")
 
     def _leaving_live(self) -> set:
         """Live sources nobody waits for any more: their client went away or their deadline passed."""
@@ -424,18 +475,27 @@ class StepBatcher(Batcher):
             self._count_dropped("abandoned", len(leaving))
         return leaving
 
-    def _plan_admission(self) -> tuple[list[_Item], bool]:
-        """The oldest queued sources that fit beside the live ones; `full` if the next one does not fit.
+    def _plan_admission(
+        self, widths: Collection[int] | None = None, max_source_tokens: int | None = None
+    ) -> tuple[list[_Item], bool]:
+        """The oldest queued sources (of these width classes; None: any) that fit beside the live ones; `full` if
+        the next one does not fit.
 
-        Arrival order, no skipping: a big source at the head waits for room rather than being overtaken
-        forever. A source that fits nothing (longer than the whole budget) still runs when nothing else is live.
+        Arrival order within the classes, no skipping: a big source at the head waits for room rather than being
+        overtaken forever. A source that fits nothing (longer than the whole budget) still runs when nothing else
+        is live.
         """
         texts, rows, tokens = len(self._live_items), self.live.rows, self.live.cache_tokens
         joining: list[_Item] = []
-        joining_rows, longest = 0, 0
+        joining_rows, longest, source_tokens = 0, 0, 0
         for item in self._queue:
+            if widths is not None and self.live.width_class(item.length) not in widths:
+                continue
             if texts + len(joining) == self.max_batch_size:
                 return joining, True
+            if max_source_tokens is not None and joining and source_tokens + item.length > max_source_tokens:
+                return joining, True
+            source_tokens += item.length
             item_rows = self.live.rows_for(item.options)
             new_longest = max(longest, item.length)
             # the joining rows' cross keys are padded to their longest source; one self-attention position each
@@ -446,8 +506,9 @@ class StepBatcher(Batcher):
             joining_rows, longest = joining_rows + item_rows, new_longest
         return joining, False
 
-    def _advance(self, joining: list[_Item], leaving: set) -> tuple[dict, dict]:
-        """Compute thread: the leaving sources go, the joining ones are encoded, then one step (see the class)."""
+    def _advance(self, joining: list[_Item], leaving: set, widths: list[int] | None) -> tuple[dict, dict]:
+        """Compute thread: the leaving sources go, the joining ones are encoded, then up to STEPS_PER_TRIP steps of
+        the cohorts of `widths` (None: all; see the class)."""
         if leaving:
             self.live.drop(leaving)
         failed: dict[Hashable, Exception] = {}
@@ -465,7 +526,7 @@ class StepBatcher(Batcher):
                 )  # fmt: skip
         if not self.live.rows:
             return {}, failed
-        finished, step_failed = self.live.step(STEPS_PER_TRIP)
+        finished, step_failed = self.live.step(STEPS_PER_TRIP, widths, TRIP_BUDGET_S)
         return finished, failed | step_failed
 
     def _answer(self, finished: dict, failed: dict) -> None:

@@ -3,7 +3,8 @@
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Callable, Hashable
+import time
+from collections.abc import Callable, Collection, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -475,7 +476,8 @@ class _Cohort:
 class LiveDecode:
     """The sources being decoded, step by step: they join (`admit`), advance one token per `step` and leave
     when their search ends (returned by `step`) or when told to (`drop`). Sources are named by keys the caller
-    chooses. Mechanics only: who joins and when is the caller's policy. Not thread-safe: one thread drives it.
+    chooses. Mechanics only: who joins, when, and which width classes step is the caller's policy. Not thread-safe:
+    one thread drives it.
 
     Live rows are grouped by source width into cohorts (sources of up to 64, 128, 256, ... tokens), one decoder
     call per cohort per step, each call's cross keys padded to its own longest source only. One call for every
@@ -517,6 +519,11 @@ class LiveDecode:
     def searches(self) -> list[_Search]:
         return [search for cohort in self.cohorts.values() for search in cohort.searches]
 
+    @property
+    def widths(self) -> list[int]:
+        """The width classes that have live rows, narrowest first."""
+        return [width for width, cohort in self.cohorts.items() if cohort.searches]
+
     def admit(self, input_ids: np.ndarray, attention_mask: np.ndarray, sources: list[tuple[Hashable, Any]]) -> None:
         """Encode these padded sources (one (key, (beam_size, max_new_tokens)) per row) and add their rows to their
         width classes' cohorts: cross keys/values, an empty self-attention cache and a BOS per beam. Each class is
@@ -534,20 +541,25 @@ class LiveDecode:
         held = sum(cohort.buffers.nbytes for cohort in self.cohorts.values() if cohort.buffers)
         self.peak_bytes = max(self.peak_bytes, held)
 
-    def step(self, steps: int = 1) -> StepOutcome:
+    def step(self, steps: int = 1, widths: Collection[int] | None = None, budget_s: float | None = None) -> StepOutcome:
         """`steps` decoder calls per cohort, one cohort after the other, every live row advancing `steps` tokens
         (fewer if its search ends) -> (sources whose search ended: their tokens, sources whose decoder call raised:
-        the error). Both kinds have left. A cohort's calls run back to back because a call right after the same
-        cohort's last finds its buffers in the CPU caches: interleaved with the other cohorts' calls and the encoder,
-        the same call took 30-40 % longer (issue #17's profile)."""
+        the error). Both kinds have left. `widths`: only the cohorts of these width classes step (None: all); the
+        others wait as they are. `budget_s`: a cohort stops early once this call has taken that long (each still
+        takes at least one step). A cohort's calls run back to back because a call right after the same cohort's
+        last finds its buffers in the CPU caches: interleaved with the other cohorts' calls and the encoder, the
+        same call took 30-40 % longer (issue #17's profile)."""
         finished: dict[Hashable, list[int]] = {}
         failed: dict[Hashable, Exception] = {}
-        for cohort in self.cohorts.values():
+        started = time.perf_counter()
+        for width, cohort in self.cohorts.items():
+            if widths is not None and width not in widths:
+                continue
             for _ in range(steps):
                 done, broke = cohort.step()
                 finished.update(done)
                 failed.update(broke)
-                if not cohort.searches:
+                if not cohort.searches or (budget_s is not None and time.perf_counter() - started >= budget_s):
                     break
         if finished or failed:
             self._forget_empty_cohorts()

@@ -15,7 +15,7 @@ import pytest
 from conftest import make_settings, running_service
 
 from service.app import make_runtime
-from service.batcher import BatchFailed, DeadlineExceeded, ShuttingDown, StepBatcher
+from service.batcher import WIDE_SHARE, BatchFailed, DeadlineExceeded, ShuttingDown, StepBatcher
 from service.bundle import load_bundle
 from service.runtime import LiveDecode
 from service.tokenizer import Tokenizer
@@ -41,11 +41,11 @@ class RecordingLive(LiveDecode):
         self.step_delay_s = step_delay_s
         self.steps: list[tuple[int, set]] = []  # (distinct lengths, keys) before each step
 
-    def step(self, steps=1):
+    def step(self, steps=1, widths=None, budget_s=None):
         distinct = [len(set(c.buffers.lengths[: c.rows].tolist())) for c in self.cohorts.values() if c.buffers]
         self.steps.append((max(distinct, default=0), {search.key for search in self.searches}))
         time.sleep(self.step_delay_s * steps)
-        return super().step(steps)
+        return super().step(steps, widths, budget_s)
 
 
 class Recorded:
@@ -170,6 +170,150 @@ def test_rows_of_different_lengths_share_one_decoder_call_per_width_class_and_de
     assert outputs == {key: alone(runtime, tokenizer, text, beam_size)
                        for key, text in zip(("old", "new", "newer"), texts, strict=True)}  # fmt: skip
     assert not live.cohorts  # nothing held once nobody is live
+
+
+def test_a_step_can_serve_chosen_width_classes_within_a_time_budget():
+    from service.batcher import pad
+
+    _, tokenizer, runtime = translator("translate-linformer")
+    texts = [LOAD_TEXTS["128"][0], SHORT_TEXTS[2]]
+    ids = [source_ids(tokenizer, t) for t in texts]
+    wide, narrow = (LiveDecode.width_class(len(x)) for x in ids)
+    live = runtime.live()
+    live.admit(*pad(ids, 0), [("long", (1, 256)), ("short", (1, 256))])
+    assert live.widths == [narrow, wide]
+
+    def lengths():
+        return {width: int(c.buffers.lengths[0]) for width, c in live.cohorts.items()}
+
+    live.step(3, widths=[narrow])  # the wide cohort waits as it is
+    assert lengths() == {narrow: 3, wide: 0}
+    live.step(4, budget_s=0.0)  # out of time after each cohort's first step
+    assert lengths() == {narrow: 4, wide: 1}
+    outputs: dict = {}
+    while live.rows:  # sources that waited decode as they would alone
+        finished, failed = live.step(2, widths=live.widths[-1:])
+        assert not failed
+        outputs.update(finished)
+    assert outputs == {"long": alone(runtime, tokenizer, texts[0]), "short": alone(runtime, tokenizer, texts[1])}
+
+
+class SimulatedLive:
+    """A LiveDecoding without a model: a source of options (1, n) needs n steps and is answered with its ids; a
+    decoder call takes `call_s` per width class (64 or 256 here). Notes what each trip stepped."""
+
+    call_s = {64: 0.0005, 256: 0.002}
+
+    def __init__(self):
+        self.sources: dict = {}  # key -> [width, steps left, ids]
+        self.trips: list[tuple[float, dict[int, float], bool]] = []  # (end, seconds per class, both classes live)
+
+    @property
+    def rows(self):
+        return len(self.sources)
+
+    @property
+    def cache_tokens(self):
+        return sum(len(ids) for _, _, ids in self.sources.values())
+
+    @property
+    def widths(self):
+        return sorted({width for width, _, _ in self.sources.values()})
+
+    @staticmethod
+    def rows_for(options):
+        return 1
+
+    @staticmethod
+    def width_class(source_length):
+        return LiveDecode.width_class(source_length)
+
+    def admit(self, input_ids, attention_mask, sources):
+        for row, (key, (_beam, steps)) in enumerate(sources):
+            ids = input_ids[row][attention_mask[row] == 1].tolist()
+            self.sources[key] = [self.width_class(len(ids)), steps, ids]
+
+    def step(self, steps=1, widths=None, budget_s=None):
+        both_live, spent, finished = len(self.widths) > 1, {}, {}
+        for width in self.widths:
+            if widths is not None and width not in widths:
+                continue
+            for _ in range(steps):
+                time.sleep(self.call_s[width])
+                spent[width] = spent.get(width, 0.0) + self.call_s[width]
+                for key, source in list(self.sources.items()):
+                    if source[0] == width:
+                        source[1] -= 1
+                        if source[1] == 0:
+                            finished[key] = source[2]
+                            del self.sources[key]
+                if budget_s is not None and sum(spent.values()) >= budget_s:
+                    break
+        self.trips.append((time.monotonic(), spent, both_live))
+        return finished, {}
+
+    def drop(self, keys):
+        for key in keys:
+            self.sources.pop(key, None)
+
+
+async def test_short_sources_go_first_and_long_ones_keep_a_bounded_share_of_the_steps():
+    """A stream of short sources does not wait for the long ones' steps at every trip, and the long ones, though
+    short work never runs out, get about WIDE_SHARE of the decoding time and end (the policy alone, on a
+    simulated runtime; the model's own tests are around this one)."""
+    live = SimulatedLive()
+    batcher = make_step_batcher(live, max_batch_size=16)
+    batcher.start()
+    long_ids = [7] * 200  # width class 256
+    long_sources = [asyncio.create_task(batcher.submit([long_ids], timeout_s=60, options=(1, 1000)))
+                    for _ in range(2)]  # fmt: skip
+    seen = []  # per short source: decoding time of the (narrow, wide) classes in the trips while it was live
+
+    async def short_stream(seed: int) -> None:
+        for i in range(25):
+            ids = [seed, i] + [5] * (6 + i % 8)  # width class 64
+            started = time.monotonic()
+            assert await batcher.submit([ids], timeout_s=60, options=(1, len(ids))) == [ids]
+            trips = [spent for end, spent, _ in live.trips if end >= started]
+            seen.append(tuple(sum(spent.get(width, 0.0) for spent in trips) for width in (64, 256)))
+
+    await asyncio.gather(*(short_stream(seed) for seed in range(3)))
+    assert not any(task.done() for task in long_sources), "1000 steps each: they cannot have ended yet"
+    contended = [spent for _, spent, both_live in live.trips if both_live]
+    assert [out[0] for out in await asyncio.gather(*long_sources)] == [long_ids] * 2  # not starved
+    await batcher.close()
+    # while a short source was live, the wide class decoded for less time than the short ones (4 times as long
+    # when every trip stepped every class); about WIDE_SHARE / (1 - WIDE_SHARE) of it, plus the trip it fell on
+    narrow_seen, wide_seen = (sum(times) for times in zip(*seen, strict=True))
+    assert wide_seen < narrow_seen, seen
+    wide_s = sum(spent.get(256, 0.0) for spent in contended)
+    share = wide_s / sum(sum(spent.values()) for spent in contended)
+    assert WIDE_SHARE / 2 <= share <= 2 * WIDE_SHARE, share
+
+
+async def test_a_short_source_arriving_while_long_ones_decode_is_answered_first_and_as_alone():
+    _, tokenizer, runtime = translator("translate-transformer")
+    long_texts, short_text = [LOAD_TEXTS["128"][0], LOAD_TEXTS["128"][1]], LOAD_TEXTS["32"][2]
+    ids = [source_ids(tokenizer, t) for t in (*long_texts, short_text)]
+    live = RecordingLive(runtime, step_delay_s=0.001)
+    batcher = make_step_batcher(live)
+    batcher.start()
+    done: dict[str, float] = {}
+
+    async def translate(name: str, source: list[int]) -> list[int]:
+        out = await batcher.submit([source], timeout_s=60, options=(1, 256))
+        done[name] = time.monotonic()
+        return out[0]
+
+    longs = [asyncio.create_task(translate(f"long{i}", x)) for i, x in enumerate(ids[:2])]
+    await asyncio.sleep(0.03)
+    assert batcher.live_depth == 2
+    short = await translate("short", ids[2])
+    outputs = [await task for task in longs]
+    await batcher.close()
+    assert short == alone(runtime, tokenizer, short_text)
+    assert outputs == [alone(runtime, tokenizer, t) for t in long_texts]
+    assert done["short"] < min(done["long0"], done["long1"])
 
 
 def make_step_batcher(live, **overrides) -> StepBatcher:
