@@ -10,8 +10,10 @@ load generator pins itself to core 1. Steps:
    saturated rate for 10 s (the recovery phase). Goodput is 200s per second during the flood; recovery is the
    time from the end of the flood until every later 250 ms window has no 429 and a p99 within 3x the unloaded
    p99.
-Goals (issue #12): goodput >= 90 % of saturated throughput, accepted p99 <= 3x unloaded p99, 0 5xx,
-recovery < 2 s. Writes overload-<bundle>.{csv,md,png}: the summary and throughput/latency over time.
+3. Unloaded saturation again: the saturated throughput moves from minute to minute on a shared machine, so
+   goodput is divided by the mean of the figures before and after the flood (both reported).
+Goals (issue #12): goodput >= 90 % of saturated throughput, accepted p99 <= 3x unloaded p99 (before the flood),
+0 5xx, recovery < 2 s. Writes overload-<bundle>.{csv,md,png}: the summary and throughput/latency over time.
 """
 
 from __future__ import annotations
@@ -74,6 +76,21 @@ def recovery_s(rows: list[dict], flood_end_s: float, p99_limit_ms: float, end_s:
     return None
 
 
+def saturation_run(port: int, request: bytes, concurrencies: list[int], when: str) -> list[dict]:
+    """Closed-loop keep-alive clients at each concurrency, 8 s each: the unloaded saturated throughput and p99."""
+    rows = []
+    for clients in concurrencies:
+        seconds = 8.0
+        summary = summarise(asyncio.run(closed_loop(port, request, clients, seconds)), seconds)
+        rows.append({"when": when, "clients": clients, **summary})
+        print(f"closed loop {when} the flood, {clients} clients: {summary}", flush=True)
+    return rows
+
+
+def best(saturation: list[dict]) -> dict:
+    return max(saturation, key=lambda row: row["throughput_rps"])
+
+
 def plot(rows: list[dict], flood: tuple[float, float], saturated_rps: float, unloaded_p99_ms: float, path: Path,
          title: str) -> None:  # fmt: skip
     import matplotlib
@@ -86,7 +103,7 @@ def plot(rows: list[dict], flood: tuple[float, float], saturated_rps: float, unl
     top.plot(t, [row["offered_rps"] for row in rows], label="offered", color="grey", lw=1)
     top.plot(t, [row["ok_rps"] for row in rows], label="200 (goodput)", color="tab:green")
     top.plot(t, [row["rejected_rps"] for row in rows], label="429", color="tab:orange", lw=1)
-    top.axhline(saturated_rps, ls="--", color="black", lw=0.8, label="unloaded saturated throughput")
+    top.axhline(saturated_rps, ls="--", color="black", lw=0.8, label="unloaded saturated throughput (mean)")
     top.axhline(0.9 * saturated_rps, ls=":", color="black", lw=0.8, label="90 % of it")
     top.set_ylabel("requests / s")
     top.legend(fontsize=7, loc="upper right")
@@ -120,34 +137,33 @@ def main() -> None:
     server = classify_server_on_core_0(args.bundle, args.setting)
     port = server.port
     request = post_request("/classify", json.dumps({"text": REVIEW}).encode())
+    concurrencies = [int(clients) for clients in args.concurrencies.split(",")]
     try:
         asyncio.run(closed_loop(port, request, 8, 3.0))  # warm-up
-        saturation = []
-        for clients in map(int, args.concurrencies.split(",")):
-            seconds = 8.0
-            summary = summarise(asyncio.run(closed_loop(port, request, clients, seconds)), seconds)
-            saturation.append({"clients": clients, **summary})
-            print(f"closed loop, {clients} clients: {summary}", flush=True)
-        best = max(saturation, key=lambda row: row["throughput_rps"])
-        saturated_rps, unloaded_p99 = best["throughput_rps"], best["p99_ms"]
-        flood_rate = args.factor * saturated_rps
+        before = saturation_run(port, request, concurrencies, "before")
+        flood_rate = args.factor * best(before)["throughput_rps"]
         recovery_phase_s = 10.0
         rss_before = server.rss_mb()
-        records = asyncio.run(
-            open_loop(port, request, [(args.seconds, flood_rate), (recovery_phase_s, 0.5 * saturated_rps)])
-        )
+        records = asyncio.run(open_loop(
+            port, request, [(args.seconds, flood_rate), (recovery_phase_s, 0.5 * best(before)["throughput_rps"])]))
         rss_after = server.rss_mb()
+        after = saturation_run(port, request, concurrencies, "after")
     finally:
         exit_code = server.stop()
+    # The saturated throughput moves by as much as the effect measured on this shared VM (1,674-2,119 req/s within a
+    # quarter hour), so it is measured before and after the flood and the goodput is divided by their mean.
+    saturated_rps = (best(before)["throughput_rps"] + best(after)["throughput_rps"]) / 2
+    unloaded_p99 = best(before)["p99_ms"]
     total = args.seconds + recovery_phase_s
     flood_records = [r for r in records if r.due_s < args.seconds]
     flood = summarise(flood_records, args.seconds)
     rows = windows(records, total)
     recovery = recovery_s(rows, args.seconds, 3 * unloaded_p99, total)
+    goodput = flood["throughput_rps"] / saturated_rps
     goals = [
-        ("goodput during the flood / saturated throughput", flood["throughput_rps"] / saturated_rps, ">= 0.90",
-         flood["throughput_rps"] / saturated_rps >= 0.9),
-        ("p99 of accepted during the flood / unloaded p99", flood["p99_ms"] / unloaded_p99, "<= 3",
+        ("goodput during the flood / saturated throughput (mean of before and after)", goodput, ">= 0.90",
+         goodput >= 0.9),
+        ("p99 of accepted during the flood / unloaded p99 (before)", flood["p99_ms"] / unloaded_p99, "<= 3",
          flood["p99_ms"] / unloaded_p99 <= 3),
         ("5xx and transport errors", float(flood["errors_5xx"] + flood["transport_errors"]
                                            + sum(r.status == 0 or r.status >= 500 for r in records)), "0",
@@ -159,7 +175,7 @@ def main() -> None:
     write_csv(args.out / f"{stem}.csv", rows)
     plot(rows, (0, args.seconds), saturated_rps, unloaded_p99, args.out / f"{stem}.png",
          f"{args.bundle}: {args.factor:g}x flood ({flood_rate:.0f} req/s open loop) for {args.seconds:g} s, "
-         f"then {0.5 * saturated_rps:.0f} req/s")  # fmt: skip
+         f"then {0.5 * best(before)['throughput_rps']:.0f} req/s")  # fmt: skip
     lines = header(f"Overload: {args.bundle} under a {args.factor:g}x flood", ("onnxruntime", "fastapi", "uvicorn"),
                    load_before)  # fmt: skip
     lines += [
@@ -169,15 +185,21 @@ def main() -> None:
         "jobs (load average above), so absolute rates move from run to run; the ratios compare figures from "
         "this one run.",
         "",
-        "## Unloaded saturation (closed loop, 8 s each)",
+        "## Unloaded saturation (closed loop, 8 s each), before and after the flood",
         "",
-        *markdown_table(saturation, {"clients": "clients", "throughput_rps": "200/s", "p50_ms": "p50 ms",
-                                     "p99_ms": "p99 ms", "rejected_429": "429", "errors_5xx": "5xx"}),
+        *markdown_table(before + after, {"when": "when", "clients": "clients", "throughput_rps": "200/s",
+                                         "p50_ms": "p50 ms", "p99_ms": "p99 ms", "rejected_429": "429",
+                                         "errors_5xx": "5xx"}),
         "",
-        f"Saturated throughput {saturated_rps:.0f} req/s, unloaded p99 {unloaded_p99:.1f} ms "
-        f"({best['clients']} clients).",
+        f"Saturated throughput {best(before)['throughput_rps']:.0f} req/s before the flood "
+        f"({best(before)['clients']} clients, p99 {unloaded_p99:.1f} ms: the unloaded p99), "
+        f"{best(after)['throughput_rps']:.0f} req/s after it ({best(after)['clients']} clients, p99 "
+        f"{best(after)['p99_ms']:.1f} ms); their mean, {saturated_rps:.0f} req/s, is what goodput is divided by "
+        f"(against the figure before alone: {flood['throughput_rps'] / best(before)['throughput_rps']:.3f}, after "
+        f"alone: {flood['throughput_rps'] / best(after)['throughput_rps']:.3f}).",
         "",
-        f"## Flood: {flood_rate:.0f} req/s open loop for {args.seconds:g} s, then {0.5 * saturated_rps:.0f} req/s "
+        f"## Flood: {flood_rate:.0f} req/s open loop for {args.seconds:g} s, then "
+        f"{0.5 * best(before)['throughput_rps']:.0f} req/s "
         f"for {recovery_phase_s:g} s",
         "",
         f"During the flood: {flood['requests']} requests, {flood['ok']} answered 200 ({flood['throughput_rps']:.0f}/s),"

@@ -48,14 +48,16 @@ class Settings(BaseSettings):
     max_texts_per_request: int = Field(64, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1)
     # Admission control, like text-embeddings-inference's max-concurrent-requests: requests in progress per
-    # task route; one more is refused with 429 before its body is read, so refusing costs next to nothing.
-    # Two limits, because a stall and a flood look alike for a moment but need opposite answers: a stall of the
-    # core (another process, a long batch) briefly piles up requests that are served soon after, a flood keeps
-    # the pile there. The burst limit absorbs stalls; while the route is flooded (it refuses more than one request
-    # for every two it completes, service/middleware.py) it admits only `shed_concurrent_requests`, about what
-    # keeps one core's model busy, so accepted requests keep their unloaded latency
+    # task route; a request over the limits is refused before its body is parsed, so refusing costs next to nothing.
+    # A stall and a flood look alike for a moment but need opposite answers: a stall of the core (another process, a
+    # long batch) piles up requests that are served soon after, a flood keeps arriving faster than the model serves.
+    # So a request over the burst limit waits for a slot (up to `max_waiting_requests` of them) instead of being
+    # refused, and only while the route is flooded (requests arrive at over twice the rate they complete, two 0.1-s
+    # windows in a row, service/middleware.py) are the waiting requests refused and `shed_concurrent_requests`
+    # admitted, about what keeps one core's model busy, so accepted requests keep their unloaded latency
     # (benchmarks/results/overload-*.md, soak-*.md).
     max_concurrent_requests: int = Field(128, ge=1)
+    max_waiting_requests: int = Field(1024, ge=0)
     shed_concurrent_requests: int = Field(16, ge=1)
 
     # SIGTERM: /readyz turns 503 at once and answers carry `Connection: close` for this long, so load

@@ -5,11 +5,15 @@ too large) costs a few microseconds instead of a JSON parse, validation and toke
 the process keeps its CPU for the requests it accepted.
 """
 
+import asyncio
 import itertools
 import logging
 import math
 import os
 import time
+from collections import deque
+from collections.abc import Callable
+from enum import Enum
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -25,11 +29,128 @@ _REQUEST_ID_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuv
 TASK_PATHS = ("/classify", "/translate")
 _TASK_TARGETS = {path.encode(): path for path in TASK_PATHS}  # the request line's target, as the parser gives it
 _REQUEST_ID_SLOT = "@request-id@"  # where a refusal's template takes the request id (JSON-safe, like every id)
-# A route sheds (admits only `shed_concurrent_requests`) while it is flooded: while, in the current window of this
-# many seconds or the last one, it refused more than one request for every two it completed. Arrivals are then
-# over 1.5x what it serves, which a stall short enough for the burst limit to absorb cannot produce (refusals
-# start only once the burst limit is full, and every request in it completes soon after the stall).
-SHED_WINDOW_S = 0.25
+
+# The flood test (RouteAdmission). A window is flooded when requests arrived at more than FLOOD_RATIO times the rate
+# they completed while the route was full (an arrival found no free slot). A stall of the core floods one window at
+# most: the requests that piled up during it are read at once when the server runs again, and in the next window the
+# usual arrivals meet a model working off a backlog at full speed (at 70 % load: 0.7 arrivals per completion). A flood
+# floods every window, so FLOOD_WINDOWS flooded windows in a row start shedding, and it ends once SHED_CALM_S pass
+# without a flooded window.
+FLOOD_WINDOW_S = 0.1
+FLOOD_RATIO = 2.0
+FLOOD_WINDOWS = 2
+SHED_CALM_S = 0.25
+
+
+class Admission(Enum):
+    ADMIT = "admit"
+    WAIT = "wait"
+    REFUSE = "refuse"
+
+
+class RouteAdmission:
+    """Admission control of one task route: how many requests it has in progress, and whether one more gets in.
+
+    Up to `burst_limit` requests are in progress. One more waits for a free slot (up to `max_waiting` of them, first
+    come first served, its body not yet read): a stall of the core piles up requests that are served soon after it,
+    and they should wait, not be refused. Only when the route is full and its waiting room too is a request refused.
+    While the route is flooded (the flood test above) it sheds: the waiting requests are refused and only
+    `shed_limit` are in progress, about what keeps one core's model busy, so the requests it accepts keep their
+    unloaded latency. Waiting requests are not given free slots while the current window so far looks flooded, so that
+    a flood's first requests are refused once it is recognised rather than served late.
+    `clock` is time.monotonic; tests pass their own.
+    """
+
+    def __init__(self, burst_limit: int, shed_limit: int, max_waiting: int,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        self.burst_limit, self.shed_limit, self.max_waiting = burst_limit, min(shed_limit, burst_limit), max_waiting
+        self.clock = clock
+        self.in_flight = 0
+        self.shedding = False
+        self.waiting: deque[asyncio.Future[bool]] = deque()  # True: admitted (in_flight counts it), False: refused
+        self._window_end = -math.inf
+        self._arrivals = self._completions = 0
+        self._found_full = False  # an arrival in this window found no free slot
+        self._flooded_windows = 0  # in a row, up to the last one
+        self._last_flooded_end = -math.inf
+
+    @property
+    def limit(self) -> int:
+        return self.shed_limit if self.shedding else self.burst_limit
+
+    def refuse_now(self) -> bool:
+        """For the header-parser callback: if an arrival now is refused, count it and say so; if not, count nothing
+        (the request goes on to `arrive`)."""
+        self._roll()
+        if self.in_flight < self.limit or not (self.shedding or len(self.waiting) >= self.max_waiting):
+            return False
+        self._arrivals += 1
+        self._found_full = True
+        return True
+
+    def arrive(self) -> Admission:
+        """Count an arrival and decide: ADMIT (counted in progress), WAIT (call `wait_for_slot`) or REFUSE."""
+        self._roll()
+        self._arrivals += 1
+        if self.in_flight < self.limit and not self.waiting:  # waiting requests were first
+            self.in_flight += 1
+            return Admission.ADMIT
+        self._found_full = True
+        if self.shedding or len(self.waiting) >= self.max_waiting:
+            return Admission.REFUSE
+        return Admission.WAIT
+
+    async def wait_for_slot(self) -> bool:
+        """After WAIT: True once admitted (in progress), False if refused meanwhile (the route started shedding)."""
+        slot = asyncio.get_running_loop().create_future()
+        self.waiting.append(slot)
+        try:
+            return await slot
+        except asyncio.CancelledError:  # the client left
+            if slot.done() and not slot.cancelled() and slot.result():
+                self.complete(counted=False)  # admitted just before: give the slot back
+            else:
+                self.waiting.remove(slot)
+            raise
+
+    def complete(self, counted: bool = True) -> None:
+        """A request in progress has its answer (or left): its slot goes to the first waiting request."""
+        self.in_flight -= 1
+        self._completions += counted
+        self._roll()
+
+    def _roll(self) -> None:
+        now = self.clock()
+        if now >= self._window_end:
+            flooded = self._looks_flooded()
+            if now >= self._window_end + FLOOD_WINDOW_S:  # nothing happened for a window or more: not a flood
+                self._flooded_windows = 0
+            else:
+                self._flooded_windows = self._flooded_windows + 1 if flooded else 0
+            if self._flooded_windows:
+                self._last_flooded_end = self._window_end
+            if self._flooded_windows >= FLOOD_WINDOWS and not self.shedding:
+                self.shedding = True
+                while self.waiting:
+                    slot = self.waiting.popleft()
+                    if not slot.done():
+                        slot.set_result(False)
+            elif self.shedding and now - self._last_flooded_end >= SHED_CALM_S:
+                self.shedding = False
+            self._arrivals = self._completions = 0
+            self._found_full = False
+            self._window_end = now + FLOOD_WINDOW_S
+        while self.waiting and self.in_flight < self.limit and not self._looks_flooded():
+            slot = self.waiting.popleft()
+            if not slot.done():
+                self.in_flight += 1
+                slot.set_result(True)
+
+    def _looks_flooded(self) -> bool:
+        """This window so far passes the flood test: waiting requests are held back (a stall's pile is read within
+        one window, after which arrivals fall below completions again)."""
+        arrivals = self._arrivals
+        return self._found_full and arrivals > self.shed_limit and arrivals > FLOOD_RATIO * self._completions
 
 
 def _valid_request_id(given: bytes) -> bool:  # echoed only if harmless in a header and a log
@@ -52,19 +173,17 @@ class RequestContextMiddleware:
         self.metrics = state.metrics
         settings = state.settings
         self.max_body_bytes = settings.max_body_bytes
-        self.burst_limit = settings.max_concurrent_requests
-        self.shed_limit = min(settings.shed_concurrent_requests, settings.max_concurrent_requests)
-        self.in_flight = dict.fromkeys(TASK_PATHS, 0)
-        # per route: shedding or not, and the current window's end (time.monotonic()), refusals and completions
-        self._shedding = dict.fromkeys(TASK_PATHS, False)
-        self._window_ends = dict.fromkeys(TASK_PATHS, 0.0)
-        self._refused = dict.fromkeys(TASK_PATHS, 0)
-        self._completed = dict.fromkeys(TASK_PATHS, 0)
-        # the 429's body for each route and limit, split where the request id goes: formatted once, not per refusal
+        self.admission = {
+            task: RouteAdmission(settings.max_concurrent_requests, settings.shed_concurrent_requests,
+                                 settings.max_waiting_requests)
+            for task in TASK_PATHS
+        }  # fmt: skip
+        # the 429's body for each route, full or shedding, split where the request id goes: formatted once, not per
+        # refusal
         self._refusal_bodies = {
-            (task, limit): error_body("overloaded", self._at_capacity(task, limit), _REQUEST_ID_SLOT).split(
+            (task, shedding): error_body("overloaded", self._at_capacity(task, shedding), _REQUEST_ID_SLOT).split(
                 _REQUEST_ID_SLOT.encode())
-            for task in TASK_PATHS for limit in (self.burst_limit, self.shed_limit)
+            for task in TASK_PATHS for shedding in (False, True)
         }  # fmt: skip
         # moving average of a task request's time in the server: with `in_flight` requests ahead, Little's law
         # says the backlog clears in about that long, which is what Retry-After tells a refused client
@@ -80,7 +199,7 @@ class RequestContextMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id  # error bodies quote it (request.state)
         status = 0
         path = scope["path"]
-        task = path if path in self.in_flight and scope["method"] == "POST" else None
+        task = path if path in self.admission and scope["method"] == "POST" else None
         endpoint = self.endpoints.get(path) if scope["method"] == "POST" else None
 
         async def send_with_context(message: Message) -> None:
@@ -106,16 +225,19 @@ class RequestContextMiddleware:
 
         admitted = False
         try:
-            if task is not None and self.in_flight[task] >= (limit := self._limit(task)):
+            if task is not None:
+                admission = self.admission[task]
+                decision = admission.arrive()
+                admitted = decision is Admission.ADMIT or (
+                    decision is Admission.WAIT and await admission.wait_for_slot())
+            if task is not None and not admitted:
                 retry_after = self._refuse(task)
-                await self._send_error(send_with_context, 429, "overloaded", request_id, self._at_capacity(task, limit),
+                await self._send_error(send_with_context, 429, "overloaded", request_id,
+                                       self._at_capacity(task, self.admission[task].shedding),
                                        [(b"retry-after", str(retry_after).encode())])  # fmt: skip
             elif self._declared_length(scope) > self.max_body_bytes:
                 await self._send_error(send_with_context, 413, "body_too_large", request_id, self._too_large)
             else:
-                if task is not None:
-                    self.in_flight[task] += 1
-                    admitted = True
                 await (endpoint or self.app)(scope, receive_limited, send_with_context)
         except Exception:
             if status:
@@ -126,8 +248,7 @@ class RequestContextMiddleware:
         finally:
             elapsed = time.perf_counter() - started
             if admitted:
-                self.in_flight[task] -= 1
-                self._completed[task] += 1
+                self.admission[task].complete()
                 if status == 200:
                     self._latency_s[task] = 0.9 * self._latency_s[task] + 0.1 * elapsed
             route_label = path if endpoint is not None else getattr(scope.get("route"), "path", "unmatched")
@@ -148,10 +269,14 @@ class RequestContextMiddleware:
         above checks the same limit again (in-process clients, targets with a query string, pipelined requests).
         """
         task = _TASK_TARGETS.get(target)
-        if task is None or self.in_flight[task] < (limit := self._limit(task)):
+        if task is None or not self.admission[task].refuse_now():
             return None
-        request_id = self._request_id(headers)
-        before_id, after_id = self._refusal_bodies[task, limit]
+        given_id = next((value for name, value in headers if name == b"x-request-id"), b"")
+        return self._refusal_answer(task, given_id, client)
+
+    def _refusal_answer(self, task: str, given_id: bytes, client: tuple[str, int] | None) -> bytes:
+        request_id = given_id.decode("ascii") if _valid_request_id(given_id) else next(self._new_ids)
+        before_id, after_id = self._refusal_bodies[task, self.admission[task].shedding]
         body_length = len(before_id) + len(request_id) + len(after_id)
         close = b"connection: close\r\n" if self.state.draining else b""
         self.metrics.child(self.metrics.requests, task, "429").inc()
@@ -162,26 +287,10 @@ class RequestContextMiddleware:
                 b"retry-after: %d\r\nx-request-id: %s\r\n%s\r\n%s%s%s"
                 % (body_length, self._refuse(task), encoded_id, close, before_id, encoded_id, after_id))  # fmt: skip
 
-    def _limit(self, task: str) -> int:
-        """The in-progress limit of this route now: the burst limit, or the shedding one while it is flooded."""
-        now = time.monotonic()
-        if now >= self._window_ends[task]:  # a new window: it sheds if the last one was a flood
-            self._shedding[task] = self._flooded(task)
-            self._refused[task] = self._completed[task] = 0
-            self._window_ends[task] = now + SHED_WINDOW_S
-        return self.shed_limit if self._shedding[task] else self.burst_limit
-
-    def _flooded(self, task: str) -> bool:
-        return self._refused[task] > max(self.shed_limit, self._completed[task] / 2)
-
     def _refuse(self, task: str) -> int:
-        """Count a refusal at admission (and start shedding at once when it makes a flood: waiting for the window's
-        end would let the flood fill the burst limit for that long); -> Retry-After in seconds: the recent time a
-        request of this task spends in the server, by which the requests in progress will be done (Little's law)."""
+        """Count a refusal at admission; -> Retry-After in seconds: the recent time a request of this task spends in
+        the server, by which the requests in progress will be done (Little's law)."""
         self.metrics.child(self.metrics.rejected, task, "concurrency").inc()
-        self._refused[task] += 1
-        if not self._shedding[task] and self._flooded(task):
-            self._shedding[task] = True
         return max(1, math.ceil(self._latency_s[task]))
 
     def _request_id(self, headers: list[tuple[bytes, bytes]]) -> str:
@@ -202,10 +311,14 @@ class RequestContextMiddleware:
     def _too_large(self) -> str:
         return f"request body is over the limit of {self.max_body_bytes} bytes (LINFORMER_MAX_BODY_BYTES)"
 
-    def _at_capacity(self, task: str, limit: int) -> str:
-        setting = "LINFORMER_MAX_CONCURRENT_REQUESTS" if limit == self.burst_limit else (
-            "LINFORMER_SHED_CONCURRENT_REQUESTS while it sheds load")
-        return f"{task} is at capacity ({limit} requests in progress, {setting}); retry after the time in Retry-After"
+    def _at_capacity(self, task: str, shedding: bool) -> str:
+        admission = self.admission[task]
+        if shedding:
+            return (f"{task} is shedding load ({admission.shed_limit} requests in progress while flooded, "
+                    "LINFORMER_SHED_CONCURRENT_REQUESTS); retry after the time in Retry-After")  # fmt: skip
+        return (f"{task} is at capacity ({admission.burst_limit} requests in progress and {admission.max_waiting} "
+                "waiting, LINFORMER_MAX_CONCURRENT_REQUESTS and LINFORMER_MAX_WAITING_REQUESTS); retry after the time "
+                "in Retry-After")  # fmt: skip
 
     @staticmethod
     async def _send_error(

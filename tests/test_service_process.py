@@ -239,7 +239,8 @@ def test_under_uvicorn_a_refusal_at_admission_is_a_complete_429_and_the_connecti
         from conftest import SlowRuntime, make_settings
         from service.__main__ import serve
         from service.app import create_app
-        settings = make_settings({str(models_dir)!r}, translate_model="", port={port}, max_concurrent_requests=1)
+        settings = make_settings({str(models_dir)!r}, translate_model="", port={port}, max_concurrent_requests=1,
+                                 max_waiting_requests=0)
         serve(create_app(settings, wrap_runtime=lambda runtime: SlowRuntime(runtime, 0.5)), settings)
     """)
     proc = start(["-c", script], port)

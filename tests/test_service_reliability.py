@@ -195,7 +195,8 @@ async def test_over_the_concurrency_limit_is_429_before_the_body_is_read(models_
         slow = SlowRuntime(runtime, 0.3)
         return slow
 
-    app = create_app(make_settings(models_dir, translate_model="", max_concurrent_requests=1), wrap_runtime=wrap)
+    settings = make_settings(models_dir, translate_model="", max_concurrent_requests=1, max_waiting_requests=0)
+    app = create_app(settings, wrap_runtime=wrap)
     async with app.router.lifespan_context(app):
         import httpx
 
@@ -218,15 +219,13 @@ async def test_over_the_concurrency_limit_is_429_before_the_body_is_read(models_
             assert 'linformer_rejected_requests_total{reason="concurrency",route="/classify"} 1.0' in metrics
 
 
-async def test_a_flooded_route_sheds_to_the_lower_limit_and_returns_to_the_burst_limit_after_it(models_dir):
-    """Up to LINFORMER_MAX_CONCURRENT_REQUESTS in progress are let in (a stall's pile-up is served); once the route
-    refuses more than it can explain by a stall (more than one refusal per two completions, and more than the
-    shedding limit), it admits only LINFORMER_SHED_CONCURRENT_REQUESTS, and a quiet window later the burst limit
-    again."""
+async def test_over_the_burst_limit_a_request_waits_for_a_slot_instead_of_being_refused(models_dir):
+    """A pile-up over LINFORMER_MAX_CONCURRENT_REQUESTS (a stall of the core) waits and is served, first come first
+    served; only with the waiting room full too is a request refused, naming both settings."""
     from service.app import create_app
 
-    settings = make_settings(models_dir, translate_model="", max_concurrent_requests=2, shed_concurrent_requests=1)
-    app = create_app(settings, wrap_runtime=lambda runtime: SlowRuntime(runtime, 0.3))
+    settings = make_settings(models_dir, translate_model="", max_concurrent_requests=1, max_waiting_requests=2)
+    app = create_app(settings, wrap_runtime=lambda runtime: SlowRuntime(runtime, 0.2))
     async with app.router.lifespan_context(app):
         import httpx
 
@@ -236,19 +235,113 @@ async def test_a_flooded_route_sheds_to_the_lower_limit_and_returns_to_the_burst
             def started():
                 return asyncio.create_task(client.post("/classify", json={"text": "the film"}))
 
-            burst = [started(), started()]
+            pile = [started()]
             await asyncio.sleep(0.05)
-            for _ in range(2):  # two refusals and nothing completed yet: a flood
-                refused = await started()
-                assert refused.status_code == 429 and "LINFORMER_MAX_CONCURRENT_REQUESTS" in refused.text
-            assert [r.status_code for r in await asyncio.gather(*burst)] == [200, 200]
-            busy = started()  # shedding: 1 in progress is the limit now
+            pile += [started(), started()]  # over the burst limit: they wait
             await asyncio.sleep(0.05)
-            shed = await started()
-            assert shed.status_code == 429 and "LINFORMER_SHED_CONCURRENT_REQUESTS" in shed.text
-            assert (await busy).status_code == 200
-            await asyncio.sleep(0.6)  # windows without a flood: the burst limit again
-            assert [r.status_code for r in await asyncio.gather(started(), started())] == [200, 200]
+            refused = await started()  # the waiting room is full as well
+            assert refused.status_code == 429
+            message = refused.json()["error"]["message"]
+            assert "LINFORMER_MAX_CONCURRENT_REQUESTS" in message and "LINFORMER_MAX_WAITING_REQUESTS" in message
+            assert [r.status_code for r in await asyncio.gather(*pile)] == [200, 200, 200]
+            assert app.request_context.admission["/classify"].in_flight == 0
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _settle():
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+async def test_admission_serves_a_stalls_pile_without_refusing_it():
+    """A stall: requests pile up at once (read together when the core is back), then arrive at their usual rate,
+    slower than a model working off a backlog completes them. The pile waits (held back while its window looks
+    flooded) and is served; nothing is refused and the route never sheds."""
+    from service.middleware import Admission, RouteAdmission
+
+    clock = _Clock()
+    route = RouteAdmission(burst_limit=8, shed_limit=4, max_waiting=64, clock=clock)
+    assert [route.arrive() for _ in range(8)] == [Admission.ADMIT] * 8
+    waiters = []
+    for _ in range(30):  # the pile: over the burst limit, so they wait
+        assert route.arrive() is Admission.WAIT
+        waiters.append(asyncio.ensure_future(route.wait_for_slot()))
+    await _settle()
+    route.complete()  # a slot frees, but this window looks flooded: the pile is held back
+    await _settle()
+    assert route.in_flight == 7 and not any(w.done() for w in waiters)
+    admitted, completed = 8, 1
+    for tick in range(60):  # then: 2 arrivals and 3 completions per 10 ms, 0.7 arrivals per completion
+        clock.now += 0.01
+        for _ in range(2):
+            decision = route.arrive()
+            assert decision is not Admission.REFUSE
+            if decision is Admission.WAIT:
+                waiters.append(asyncio.ensure_future(route.wait_for_slot()))
+            admitted += 1
+        for _ in range(min(3, route.in_flight)):
+            route.complete()
+            completed += 1
+        await _settle()
+        assert not route.shedding, tick
+    assert all(w.done() and w.result() is True for w in waiters)  # every waiting request got a slot
+    assert route.in_flight + completed == admitted + 30 and route.in_flight < 8  # the backlog is worked off
+
+
+async def test_admission_sheds_a_flood_refuses_its_waiting_requests_and_recovers():
+    """A flood: arrivals keep coming at over twice the completion rate. After two such windows the waiting requests
+    are refused and only the shedding limit is in progress; once a quarter second passes without a flooded window,
+    the burst limit is back."""
+    from service.middleware import FLOOD_WINDOW_S, Admission, RouteAdmission
+
+    clock = _Clock()
+    route = RouteAdmission(burst_limit=8, shed_limit=4, max_waiting=1000, clock=clock)
+    waiters, outcomes = [], []
+
+    async def step(arrivals: int, completions: int) -> None:
+        clock.now += 0.01
+        for _ in range(arrivals):
+            decision = route.arrive()
+            outcomes.append(decision)
+            if decision is Admission.WAIT:
+                waiters.append(asyncio.ensure_future(route.wait_for_slot()))
+        for _ in range(min(completions, route.in_flight)):
+            route.complete()
+        await _settle()
+
+    for _ in range(int(2.5 * FLOOD_WINDOW_S / 0.01)):  # 10 arrivals and 3 completions per 10 ms
+        await step(10, 3)
+    assert route.shedding and route.limit == 4
+    assert waiters and all(w.done() for w in waiters)
+    assert sum(w.result() is False for w in waiters) > 0.8 * len(waiters)  # refused once the flood was recognised
+    outcomes.clear()
+    for _ in range(20):
+        await step(10, 3)
+    assert route.in_flight <= 4 and Admission.WAIT not in outcomes and Admission.REFUSE in outcomes
+    for _ in range(40):  # the flood is over: fewer arrivals than completions
+        await step(1, 3)
+    assert not route.shedding and route.limit == 8
+
+
+async def test_admission_refuses_when_the_waiting_room_is_full_and_a_left_waiter_frees_its_place():
+    from service.middleware import Admission, RouteAdmission
+
+    route = RouteAdmission(burst_limit=1, shed_limit=1, max_waiting=1, clock=_Clock())
+    assert route.arrive() is Admission.ADMIT
+    assert route.arrive() is Admission.WAIT
+    waiter = asyncio.ensure_future(route.wait_for_slot())
+    await _settle()
+    assert route.refuse_now() and route.arrive() is Admission.REFUSE
+    waiter.cancel()  # its client left
+    await _settle()
+    assert not route.waiting and not route.refuse_now()
 
 
 class _RecordingTransport:
@@ -284,7 +377,8 @@ async def test_a_refusal_is_written_by_the_header_parser_callback_without_an_asg
     from service.__main__ import _admitting_protocol
     from service.app import create_app
 
-    app = create_app(make_settings(models_dir, translate_model="", max_concurrent_requests=1))
+    settings = make_settings(models_dir, translate_model="", max_concurrent_requests=1, max_waiting_requests=0)
+    app = create_app(settings)
     protocol_class = _admitting_protocol(app)
     config = uvicorn.Config(app, http=protocol_class, log_config=None)
     config.load()
@@ -297,20 +391,21 @@ async def test_a_refusal_is_written_by_the_header_parser_callback_without_an_asg
     request = b"POST /classify HTTP/1.1\r\nhost: x\r\nx-request-id: r-7\r\ncontent-length: %d\r\n\r\n%s" % (
         len(body), body)  # fmt: skip
 
-    app.request_context.in_flight["/classify"] = 1  # at capacity
+    admission = app.request_context.admission["/classify"]
+    admission.in_flight = 1  # at capacity, and no room to wait
     protocol.data_received(request)
     head, _, answer = transport.written.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 429 ") and b"retry-after: 1" in head and b"x-request-id: r-7" in head
     assert b"content-length: %d" % len(answer) in head
     assert json.loads(answer)["error"] == {
         "code": "overloaded", "request_id": "r-7",
-        "message": "/classify is at capacity (1 requests in progress, LINFORMER_MAX_CONCURRENT_REQUESTS); "
-                   "retry after the time in Retry-After",
+        "message": "/classify is at capacity (1 requests in progress and 0 waiting, LINFORMER_MAX_CONCURRENT_REQUESTS "
+                   "and LINFORMER_MAX_WAITING_REQUESTS); retry after the time in Retry-After",
     }  # fmt: skip
     assert not server_state.tasks and not transport.closed and server_state.total_requests == 1
 
     transport.written = b""
-    app.request_context.in_flight["/classify"] = 0  # a slot is free: the same connection reaches the app
+    admission.in_flight = 0  # a slot is free: the same connection reaches the app
     protocol.data_received(request)
     assert transport.written == b"" and len(server_state.tasks) == 1
     for task in list(server_state.tasks):
