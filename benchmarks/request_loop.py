@@ -49,8 +49,13 @@ def child(code_dir: Path, body: bytes, requests: int, concurrency: int) -> dict:
 
     settings = Settings()
     log_file = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)  # noqa: SIM115  (the server's stderr)
-    logging.basicConfig(level=settings.log_level.upper(), stream=log_file,
-                        format="time=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")  # fmt: skip
+    try:
+        from service.__main__ import configure_logging
+    except ImportError:  # a baseline from before configure_logging: what its __main__ did
+        logging.basicConfig(level=settings.log_level.upper(), stream=log_file,
+                            format="time=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")  # fmt: skip
+    else:
+        configure_logging(settings, log_file)
     app = create_app(settings)
     headers = [(b"host", b"service"), (b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]  # fmt: skip
