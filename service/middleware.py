@@ -73,6 +73,7 @@ class RouteAdmission:
         self._found_full = False  # an arrival in this window found no free slot
         self._flooded_windows = 0  # in a row, up to the last one
         self._last_flooded_end = -math.inf
+        self._recheck: asyncio.TimerHandle | None = None  # a held-back pile's look at the window's end
 
     @property
     def limit(self) -> int:
@@ -145,6 +146,14 @@ class RouteAdmission:
             if not slot.done():
                 self.in_flight += 1
                 slot.set_result(True)
+        if self.waiting and self.in_flight < self.limit and self._recheck is None:
+            # held back with free slots: the next arrival or completion would look again, but a burst of one-off
+            # requests may send none, so look again when this window ends
+            self._recheck = asyncio.get_running_loop().call_later(max(0.0, self._window_end - now), self._look_again)
+
+    def _look_again(self) -> None:
+        self._recheck = None
+        self._roll()
 
     def _looks_flooded(self) -> bool:
         """This window so far passes the flood test: waiting requests are held back (a stall's pile is read within

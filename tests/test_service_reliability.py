@@ -572,3 +572,28 @@ def test_settings_where_one_allowed_request_cannot_fit_an_empty_queue_are_refuse
         make_settings(models_dir, max_queue=10)
     with pytest.raises(ValidationError, match="exceeds MAX_QUEUED_DECODE_TOKENS=1000"):
         make_settings(models_dir, max_queued_decode_tokens=1000)
+
+
+async def test_admission_a_held_back_pile_gets_its_slots_when_nothing_else_happens():
+    """A burst of one-off requests (a batch job, no client sends again): more arrive at once than twice what
+    completes in the window, so the window looks flooded and the pile over the burst limit is held back. Every
+    request in progress then completes and no event follows: the pile must still get its slots when the window
+    ends, not wait for an arrival that never comes."""
+    from service.middleware import FLOOD_WINDOW_S, Admission, RouteAdmission
+
+    clock = _Clock()
+    route = RouteAdmission(burst_limit=8, shed_limit=4, max_waiting=64, clock=clock)
+    assert [route.arrive() for _ in range(8)] == [Admission.ADMIT] * 8
+    waiters = []
+    for _ in range(30):
+        assert route.arrive() is Admission.WAIT
+        waiters.append(asyncio.ensure_future(route.wait_for_slot()))
+    await _settle()  # they wait
+    for _ in range(8):  # in the same window: 38 arrivals, 8 completions
+        route.complete()
+    await _settle()
+    assert route.in_flight == 0 and not any(w.done() for w in waiters)  # held back while the window looks flooded
+    clock.now += FLOOD_WINDOW_S  # the window ends; nothing arrives or completes
+    await asyncio.sleep(FLOOD_WINDOW_S * 1.5)
+    assert sum(w.done() and w.result() is True for w in waiters) == 8 and route.in_flight == 8
+    assert not route.shedding
