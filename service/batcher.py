@@ -203,9 +203,7 @@ class Batcher:
             if not full and wait_left > 0 and not self._closing:
                 await self._wait_for_arrival(wait_left)
                 continue
-            taken = set(map(id, batch))
-            self._queue = [item for item in self._queue if id(item) not in taken]
-            self._set_depth()
+            self._take(batch)
             await self._compute(batch)
 
     async def _wait_for_arrival(self, seconds: float) -> None:
@@ -216,6 +214,16 @@ class Batcher:
             await asyncio.wait_for(self._wakeup.wait(), seconds)
         except TimeoutError:
             pass
+
+    def _take(self, items: list[_Item]) -> None:
+        """These queued items go to compute now: out of the queue, their time in it observed."""
+        taken = set(map(id, items))
+        self._queue = [item for item in self._queue if id(item) not in taken]
+        self._set_depth()
+        if self._queue_wait is not None:
+            now = time.monotonic()
+            for item in items:
+                self._queue_wait.observe(now - item.enqueued_at)
 
     def _drop_finished(self) -> None:
         """Forget items nobody waits for: cancelled (client gone) or past their deadline."""
@@ -255,9 +263,6 @@ class Batcher:
 
     async def _compute(self, batch: list[_Item]) -> None:
         started = time.monotonic()
-        if self._queue_wait is not None:
-            for item in batch:
-                self._queue_wait.observe(started - item.enqueued_at)
 
         def stop_if_abandoned() -> None:  # called from the compute thread; reads only futures' done flags
             now = time.monotonic()
@@ -423,14 +428,8 @@ class StepBatcher(Batcher):
                     continue
             trip = self._plan_trip()
             if trip.joining:
-                taken = set(map(id, trip.joining))
-                self._queue = [item for item in self._queue if id(item) not in taken]
-                self._set_depth()
+                self._take(trip.joining)
                 self._live_items += trip.joining
-                if self.metrics:
-                    now = time.monotonic()
-                    for item in trip.joining:
-                        self.metrics.queue_wait.labels(self.name).observe(now - item.enqueued_at)
             started = time.monotonic()
             try:
                 finished, failed = await loop.run_in_executor(

@@ -83,7 +83,7 @@ class RouteAdmission:
         """For the header-parser callback: if an arrival now is refused, count it and say so; if not, count nothing
         (the request goes on to `arrive`)."""
         self._roll()
-        if self.in_flight < self.limit or not (self.shedding or len(self.waiting) >= self.max_waiting):
+        if self.in_flight < self.limit or not self._no_room_to_wait():
             return False
         self._arrivals += 1
         self._found_full = True
@@ -97,9 +97,11 @@ class RouteAdmission:
             self.in_flight += 1
             return Admission.ADMIT
         self._found_full = True
-        if self.shedding or len(self.waiting) >= self.max_waiting:
-            return Admission.REFUSE
-        return Admission.WAIT
+        return Admission.REFUSE if self._no_room_to_wait() else Admission.WAIT
+
+    def _no_room_to_wait(self) -> bool:
+        """A request that finds the route full is refused: it sheds, or its waiting room is full."""
+        return self.shedding or len(self.waiting) >= self.max_waiting
 
     async def wait_for_slot(self) -> bool:
         """After WAIT: True once admitted (in progress), False if refused meanwhile (the route started shedding)."""
@@ -280,11 +282,7 @@ class RequestContextMiddleware:
         task = _TASK_TARGETS.get(target)
         if task is None or not self.admission[task].refuse_now():
             return None
-        given_id = next((value for name, value in headers if name == b"x-request-id"), b"")
-        return self._refusal_answer(task, given_id, client)
-
-    def _refusal_answer(self, task: str, given_id: bytes, client: tuple[str, int] | None) -> bytes:
-        request_id = given_id.decode("ascii") if _valid_request_id(given_id) else next(self._new_ids)
+        request_id = self._request_id(headers)
         before_id, after_id = self._refusal_bodies[task, self.admission[task].shedding]
         body_length = len(before_id) + len(request_id) + len(after_id)
         close = b"connection: close\r\n" if self.state.draining else b""
