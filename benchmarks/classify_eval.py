@@ -24,7 +24,15 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 from service.bundle import load_bundle  # noqa: E402
 from service.runtime import ClassifierRuntime, make_session  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
@@ -83,13 +91,8 @@ def score_rows(name: str, scores: np.ndarray, labels: np.ndarray, sources: list[
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     groups = ["imdb", "rotten_tomatoes", *(b for b, _, _ in BUCKETS)]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = agg_subplots(figsize=(10, 4.5))
     width = 0.8 / len(rows)
     for i, row in enumerate(rows):
         values = [100 * (row[g] if row[g] is not None else np.nan) for g in groups]
@@ -99,8 +102,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylim(50, 100)
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title("Classification test accuracy per source and length bucket")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,9 +149,8 @@ def main(argv: list[str] | None = None) -> None:
         f"![accuracy by source and length]({args.out.name}.png)",
         "",
     ]
-    args.out.with_suffix(".md").write_text("\n".join(lines))
+    write_markdown(args.out.with_suffix(".md"), lines)
     plot(rows, args.out.with_suffix(".png"))
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,15 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.ctranslate2_server import CTranslate2Runtime  # noqa: E402
 from benchmarks.int8 import interleaved_decoding, padded, translator  # noqa: E402
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 from service.bundle import load_bundle  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
 from training.translate import read_pairs  # noqa: E402
@@ -118,14 +126,9 @@ def quality(decoders: dict, ids: list[list[int]], references: list[str], tokeniz
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     batches = list(dict.fromkeys(r["batch"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = agg_subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / len(variants)
     for ax, key, label in ((axes[0], "tokens_per_cpu_s", "tokens per CPU second"),
                            (axes[1], "tokens_per_s", "tokens per wall second")):  # fmt: skip
@@ -136,8 +139,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_ylabel(label)
         ax.set_title(f"greedy decoding, same weights, 1 thread: {label}")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,8 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         f"sacrebleu: `{quality_rows[0]['signature']}`",
         "",
     ]
-    stem.with_suffix(".md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_markdown(stem.with_suffix(".md"), lines)
 
 
 if __name__ == "__main__":

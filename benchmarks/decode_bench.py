@@ -35,7 +35,15 @@ from onnx import TensorProto, helper
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 
 
 def session(path: Path, *, profile: bool = False, optimized: Path | None = None) -> ort.InferenceSession:
@@ -142,21 +150,15 @@ def operator_split(path: Path, config: dict, rows: int, cached: int, memory: int
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = [f"{r['rows']} rows, {r['cached']} cached" for r in rows]
     x = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = agg_subplots(figsize=(8, 4))
     ax.bar(x - 0.2, [r["torch_form_ms"] for r in rows], 0.4, label="torch form (whole cache in and out)")
     ax.bar(x + 0.2, [r["step_form_ms"] for r in rows], 0.4, label="step form (IO-bound buffers, GQA in place)")
     ax.set_xticks(x, labels, fontsize=8)
     ax.set_ylabel("ms per decoder call (1 thread)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -213,8 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         *markdown_table(split, {"operator": "operator", "share_of_kernel_time": "share of kernel time"}),
         "",
     ]
-    args.out.with_suffix(".md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_markdown(args.out.with_suffix(".md"), lines)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.loadgen import REVIEW, Connection, Server, free_port, post_request  # noqa: E402
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 
 TRANSPORT_ERRORS = (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError)
 
@@ -140,17 +148,11 @@ def main() -> None:
         "![requests lost per run](drain.png)",
         "",
     ]  # fmt: skip
-    (args.out / "drain.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_markdown(args.out / "drain.md", lines)
 
 
 def plot(rows: list[dict], path: Path, clients: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axis = plt.subplots(figsize=(8, 3.5))
+    fig, axis = agg_subplots(figsize=(8, 3.5))
     drains = sorted({row["drain_s"] for row in rows}, reverse=True)
     width = 0.8 / len(drains)
     for i, drain in enumerate(drains):
@@ -161,9 +163,7 @@ def plot(rows: list[dict], path: Path, clients: int) -> None:
     axis.set_ylabel("requests lost")
     axis.set_title(f"SIGTERM under {clients} keep-alive clients", fontsize=10)
     axis.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.loadgen import Server, free_port  # noqa: E402
-from loadtest.report import header, load_average, write_csv  # noqa: E402
+from loadtest.report import header, load_average, write_csv, write_markdown  # noqa: E402
 
 
 def main() -> None:
@@ -88,8 +88,7 @@ def main() -> None:
         "```",
         "",
     ]
-    (args.out / "fuzz.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_markdown(args.out / "fuzz.md", lines)
     sys.exit(0 if done.returncode == 0 and cases >= 2000 and five_xx == 0 else 1)
 
 

@@ -37,7 +37,15 @@ sys.path.insert(0, str(REPO))
 from benchmarks.classify_eval import bundle_predictions  # noqa: E402
 from export.quantize import quantize_bundle  # noqa: E402
 from loadtest.flops import linformer_layer_flops, vanilla_layer_flops  # noqa: E402
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 from service.bundle import Bundle, load_bundle  # noqa: E402
 from service.runtime import ClassifierRuntime, TranslatorRuntime, make_session  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
@@ -294,12 +302,7 @@ def summary(speed: list[dict], quality: list[dict]) -> list[dict]:
 
 
 def plot(speed: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = agg_subplots(1, 2, figsize=(11, 4.2))
     for model in dict.fromkeys(r["model"] for r in speed if "n" in r and r.get("n")):
         for variant, style in (("int8", "o-"), ("int8 per-channel", "s--")):
             mine = [r for r in speed if r["model"] == model and r["variant"] == variant]
@@ -324,8 +327,7 @@ def plot(speed: list[dict], path: Path) -> None:
     right.set_ylabel("int8 speedup over fp32 (tokens per CPU second)")
     right.set_title("translate: greedy decoding, 1 ORT thread")
     right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -441,8 +443,7 @@ def main(argv: list[str] | None = None) -> None:
         lines += [f"sacrebleu: {', '.join(f'`{s}`' for s in signatures)}", ""] if signatures else []
     lines += ["## Size of the ONNX files", "", *markdown_table(sizes, {"model": "model", "variant": "variant",
                                                                       "onnx_MB": "MB"}), ""]  # fmt: skip
-    stem.with_suffix(".md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_markdown(stem.with_suffix(".md"), lines)
 
 
 if __name__ == "__main__":

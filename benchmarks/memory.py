@@ -26,7 +26,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.loadgen import REVIEW, Server, free_port  # noqa: E402
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 
 SOURCES = [
     "The documents are stored in the folder you selected.",
@@ -127,17 +135,11 @@ def main() -> None:
         "![RSS before, at the peak and after](memory.png)",
         "",
     ]  # fmt: skip
-    (args.out / "memory.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_markdown(args.out / "memory.md", lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axis = plt.subplots(figsize=(7, 3.5))
+    fig, axis = agg_subplots(figsize=(7, 3.5))
     labels = ["idle", "peak", "3 s after", "3 s after /classify"]
     for i, row in enumerate(rows):
         values = [row["rss_idle_mb"], row["rss_peak_mb"], row["rss_3s_after_mb"], row["rss_3s_after_classify_mb"]]
@@ -147,9 +149,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axis.set_ylabel("server RSS (MB)")
     axis.set_title("One 64-text, beam-8 /translate request, then 64 n_max-token texts to /classify", fontsize=9)
     axis.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,15 @@ from benchmarks.loadgen import (  # noqa: E402
     percentile,
     post_request,
 )  # fmt: skip
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 
 WINDOW_S = 0.25
 
@@ -93,13 +101,8 @@ def best(saturation: list[dict]) -> dict:
 
 def plot(rows: list[dict], flood: tuple[float, float], saturated_rps: float, unloaded_p99_ms: float, path: Path,
          title: str) -> None:  # fmt: skip
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     t = [row["t_s"] for row in rows]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    fig, (top, bottom) = agg_subplots(2, 1, figsize=(9, 6.5), sharex=True)
     top.plot(t, [row["offered_rps"] for row in rows], label="offered", color="grey", lw=1)
     top.plot(t, [row["ok_rps"] for row in rows], label="200 (goodput)", color="tab:green")
     top.plot(t, [row["rejected_rps"] for row in rows], label="429", color="tab:orange", lw=1)
@@ -116,9 +119,7 @@ def plot(rows: list[dict], flood: tuple[float, float], saturated_rps: float, unl
     for axis in (top, bottom):
         axis.axvspan(*flood, color="tab:orange", alpha=0.08)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> None:
@@ -218,8 +219,7 @@ def main() -> None:
         f"Per-window figures ({WINDOW_S:g} s, by when each request was due): [`{stem}.csv`]({stem}.csv).",
         "",
     ]  # fmt: skip
-    (args.out / f"{stem}.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_markdown(args.out / f"{stem}.md", lines)
 
 
 if __name__ == "__main__":

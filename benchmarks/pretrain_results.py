@@ -19,7 +19,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 
 
 def describe(cfg: dict) -> str:
@@ -63,12 +71,7 @@ def unigram_perplexity(data_dir: Path) -> float:
 
 
 def plot(runs: list[dict], path: Path, floor: float | None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = agg_subplots(figsize=(7.5, 4.5))
     for run in runs:
         steps = sorted(run["curve"])
         ax.plot(steps, [run["curve"][s] for s in steps], marker="o", markersize=3, label=run["label"])
@@ -80,8 +83,7 @@ def plot(runs: list[dict], path: Path, floor: float | None) -> None:
     ax.set_title("Pretraining: perplexity vs updates (paper Figure 3 at our scale)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,9 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         f"![perplexity vs updates]({args.out.name}.png)",
         "",
     ]
-    args.out.with_suffix(".md").write_text("\n".join(lines))
+    write_markdown(args.out.with_suffix(".md"), lines)
     plot(runs, args.out.with_suffix(".png"), floor)
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

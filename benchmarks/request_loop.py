@@ -31,7 +31,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 
 
 def child(code_dir: Path, body: bytes, requests: int, concurrency: int) -> dict:
@@ -190,20 +198,15 @@ def main() -> None:
         f"![event loop CPU per request]({stem}.png)",
         "",
     ]
-    (args.out / f"{stem}.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_markdown(args.out / f"{stem}.md", lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     lengths = sorted({row["tokens"] for row in rows})
     services = list(dict.fromkeys(row["service"] for row in rows))
-    fig, axis = plt.subplots(figsize=(7, 3.8))
+    fig, axis = agg_subplots(figsize=(7, 3.8))
     width = 0.8 / len(services)
     for i, service in enumerate(services):
         values = [next((r["loop_us"] for r in rows if r["tokens"] == n and r["service"] == service), 0)
@@ -212,9 +215,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axis.set_xticks(np.arange(len(lengths)) + width * (len(services) - 1) / 2, [f"{n} tokens" for n in lengths])
     axis.set_ylabel("event-loop CPU µs per request")
     axis.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

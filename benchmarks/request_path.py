@@ -26,7 +26,15 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.loadgen import pin_to  # noqa: E402
 from benchmarks.service_bench import text_of_length  # noqa: E402
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 from service.batcher import pad  # noqa: E402
 from service.bundle import load_bundle  # noqa: E402
 from service.runtime import CPU, make_session, probabilities  # noqa: E402
@@ -114,19 +122,13 @@ def main() -> None:
         f"![warm and after a run]({stem}.png)",
         "",
     ]  # fmt: skip
-    (args.out / f"{stem}.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_markdown(args.out / f"{stem}.md", lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     steps = [row for row in rows if row["after_run_us"] != ""]
     lengths = sorted({row["tokens"] for row in steps})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.5), squeeze=False)
+    fig, axes = agg_subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.5), squeeze=False)
     for axis, length in zip(axes[0], lengths, strict=True):
         mine = [row for row in steps if row["tokens"] == length]
         x = np.arange(len(mine))
@@ -136,9 +138,7 @@ def plot(rows: list[dict], path: Path) -> None:
         axis.set_ylabel("CPU µs")
         axis.set_title(f"{length}-token text", fontsize=10)
         axis.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 
 RESULTS = REPO / "benchmarks" / "results"
 BALANCER = "http://127.0.0.1:8000"
@@ -214,18 +222,13 @@ def write_report(args: argparse.Namespace, rows: list[dict], drain: dict, load_b
         "![requests/s per round](scaleout.png)",
         "",
     ]  # fmt: skip
-    stem.with_suffix(".md").write_text("\n".join(lines))
+    write_markdown(stem.with_suffix(".md"), lines, echo=False)
     plot(rows, stem.with_suffix(".png"))
     return stem
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = agg_subplots(figsize=(6, 3.5))
     for replicas, color in ((1, "tab:blue"), (2, "tab:orange")):
         points = [(row["round"], row["requests_per_s"]) for row in rows if row["replicas"] == replicas]
         ax.plot([p[0] for p in points], [p[1] for p in points], "o-", color=color, label=f"{replicas} replica(s)")
@@ -234,8 +237,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.legend()
     ax.set_title("Linformer deployment behind HAProxy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:

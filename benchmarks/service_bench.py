@@ -49,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.loadgen import free_port, pin_to  # noqa: E402
+from loadtest.report import agg_subplots, save_figure, write_markdown  # noqa: E402
 from service.bundle import Bundle, load_bundle  # noqa: E402
 from service.runtime import CPU, make_session  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
@@ -426,7 +427,7 @@ def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict,
             )
         lines.append("")
     lines += ["## Goals (issue #20)", "", *goals(results), "", f"![results]({stem}.png)", ""]
-    (out / f"{stem}.md").write_text("\n".join(lines))
+    write_markdown(out / f"{stem}.md", lines, echo=False)
     plot(out / f"{stem}.png", bundle, info, results)
 
 
@@ -475,12 +476,7 @@ def goals(results: dict) -> list[str]:
 
 
 def plot(path: Path, bundle: Bundle, info: dict, results: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    fig, axes = agg_subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
     for ax, (tokens, per_length) in zip(axes[0], results.items(), strict=True):
         servers = list(dict.fromkeys(r["server"] for r in per_length["rows"]))
         connections = sorted({r["connections"] for r in per_length["rows"]})
@@ -497,8 +493,7 @@ def plot(path: Path, bundle: Bundle, info: dict, results: dict) -> None:
         ax.set_title(f"{tokens}-token texts")
         ax.legend(fontsize=7)
     fig.suptitle(f"{bundle.name} on core 0, 1 ORT thread; {info['cpu']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> None:

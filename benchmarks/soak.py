@@ -30,7 +30,15 @@ from benchmarks.loadgen import (  # noqa: E402
     percentile,
     post_request,
 )  # fmt: skip
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 
 SAMPLE_S = 5.0
 WARM_UP_S = 60.0
@@ -139,18 +147,12 @@ def main() -> None:
         f"![throughput, latency and RSS over time]({stem}.png)",
         "",
     ]  # fmt: skip
-    (args.out / f"{stem}.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_markdown(args.out / f"{stem}.md", lines)
 
 
 def plot(rows: list[dict], path: Path, rate: float, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     t = [row["t_s"] for row in rows]
-    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
+    fig, (top, middle, bottom) = agg_subplots(3, 1, figsize=(9, 7.5), sharex=True)
     top.plot(t, [row["ok_rps"] for row in rows], color="tab:green", label="200/s")
     top.axhline(rate, ls="--", color="black", lw=0.8, label="offered")
     top.set_ylabel("requests / s")
@@ -168,9 +170,7 @@ def plot(rows: list[dict], path: Path, rate: float, title: str) -> None:
     bottom.set_ylabel("server RSS (MB)")
     bottom.set_xlabel("seconds")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

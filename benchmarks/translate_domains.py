@@ -41,7 +41,15 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 from model import Translator  # noqa: E402
 from training.batching import pad  # noqa: E402
 from training.decode import length_limits, translate_ids  # noqa: E402
@@ -215,18 +223,12 @@ def main(argv: list[str] | None = None) -> None:
     lines += ["", "## Per source-length bucket (tokens, all sets)", ""]
     lines += markdown_table(bucket_rows, {"model": "model", "bucket": "source tokens", **{k: v for k, v in
                                           columns.items() if k not in ("model", "set", "decode_s")}})  # fmt: skip
-    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    write_markdown(args.out / f"{args.name}.md", [*lines, ""])  # this report has always ended in a newline
     plot(bucket_rows, args.out / f"{args.name}.png", options)
-    print("\n".join(lines))
 
 
 def plot(bucket_rows: list[dict], path: Path, options: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_bleu, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_bleu, ax_ratio) = agg_subplots(1, 2, figsize=(11, 4))
     for label in dict.fromkeys(r["model"] for r in bucket_rows):
         mine = [r for r in bucket_rows if r["model"] == label]
         ax_bleu.plot([r["bucket"] for r in mine], [r["bleu"] for r in mine], marker="o", label=label)
@@ -237,8 +239,7 @@ def plot(bucket_rows: list[dict], path: Path, options: str) -> None:
     ax_bleu.legend(fontsize=7)
     ax_ratio.legend(fontsize=7)
     fig.suptitle(options, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.loadgen import Connection, Server, free_port, pin_to, post_request, wait_until_ready  # noqa: E402
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 from loadtest.texts import texts_of_length, translate_max_new_tokens  # noqa: E402
 
 LENGTHS = (8, 16, 32, 64, 128, 256)
@@ -242,12 +250,7 @@ def goals(rows: list[dict]) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = agg_subplots(1, 2, figsize=(11, 4.2))
     for i, deployment in enumerate(dict.fromkeys(r["deployment"] for r in rows)):
         mine = sorted((r for r in rows if r["deployment"] == deployment), key=lambda r: r["users"])
         users = [r["users"] for r in mine]
@@ -264,8 +267,7 @@ def plot(rows: list[dict], path: Path) -> None:
     left.set_title("short requests under mixed-length load")
     right.set_ylabel("generated tokens / s")
     right.set_title("throughput")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -345,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
         "p99 of a bucket with fewer than 100 requests is close to its maximum.",
         "",
     ]
-    stem.with_suffix(".md").write_text("\n".join(lines))
+    write_markdown(stem.with_suffix(".md"), lines, echo=False)
     print("\n".join(lines[:40]))
 
 

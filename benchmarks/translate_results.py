@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from loadtest.report import write_markdown  # noqa: E402
 
 
 def cpu_model() -> str:
@@ -189,8 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += ["", *sorted({f"- `runs/{r['run']}`: {int(r['parameters']):,} parameters, test PPL "
                            f"{cell(r, 'ppl_test')}" for r in rows}), ""]  # fmt: skip
     lines += bundle_lines(args.out.parent)
-    args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_markdown(args.out, lines)
 
 
 if __name__ == "__main__":

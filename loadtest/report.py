@@ -1,5 +1,5 @@
 """What every benchmark report of this folder states: machine, load, versions, date, command; and
-the CSV and Markdown table writers they share."""
+the CSV, Markdown and figure writers they share."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ import shlex
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def load_average() -> str:
@@ -77,6 +81,37 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def write_markdown(path: Path, lines: list[str], echo: bool = True) -> None:
+    """Writes the report's lines joined by newlines (no newline added at the end) and, with `echo`, prints them
+    too, so a run's figures show in its log without opening the file."""
+    text = "\n".join(lines)
+    path.write_text(text)
+    if echo:
+        print(text)
+
+
+def agg_subplots(*args: Any, **kwargs: Any) -> tuple[Figure, Any]:
+    """`plt.subplots` on the Agg backend: benchmarks run on machines without a display. matplotlib is imported here,
+    not at the top, so that importing this module stays cheap where matplotlib is not needed (export/calibrate.py;
+    loadtest/table3.py, which locust imports)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
+def save_figure(fig: Figure, path: Path, dpi: int) -> None:
+    """Lays the figure out, writes it at `dpi` and closes it, so a process that plots more than once does not keep
+    every figure in memory."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def markdown_table(rows: list[dict], columns: dict[str, str]) -> list[str]:

@@ -40,7 +40,15 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python loadtest/sweep.py`, or imported by `locust -f loadtest/`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 from loadtest.texts import (  # noqa: E402
     CLASSIFY_LENGTHS,
     TRANSLATE_LENGTHS,
@@ -427,18 +435,13 @@ def write_report(args: argparse.Namespace, rows: list[dict], info: dict, load_be
         f"![latency and throughput vs n]({stem.name}.png)",
         "",
     ]
-    stem.with_suffix(".md").write_text("\n".join(lines))
+    write_markdown(stem.with_suffix(".md"), lines, echo=False)
     plot(rows, labels, stem.with_suffix(".png"), args.task)
     return stem
 
 
 def plot(rows: list[dict], labels: tuple[str, ...], path: Path, task: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = agg_subplots(1, 2, figsize=(11, 4.2))
     markers = "osD^v<>"  # one per user count; one colour per deployment; p50 solid, p95 dotted
     for u, users in enumerate(sorted({r["users"] for r in rows})):
         for colour, label in enumerate(labels):
@@ -459,8 +462,7 @@ def plot(rows: list[dict], labels: tuple[str, ...], path: Path, task: str) -> No
     left.set_title(f"/{task} latency")
     right.set_ylabel("requests / s")
     right.set_title(f"/{task} throughput")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 # ---- main ----

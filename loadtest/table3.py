@@ -44,7 +44,15 @@ if __package__ in (None, ""):  # `python loadtest/table3.py`, or imported by `lo
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.flops import flop_ratio, performer_flop_ratio  # noqa: E402
-from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
+from loadtest.report import (  # noqa: E402
+    agg_subplots,
+    header,
+    load_average,
+    markdown_table,
+    save_figure,
+    write_csv,
+    write_markdown,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -370,7 +378,7 @@ def write_report(args: argparse.Namespace, size: str, rows: list[dict], models: 
         f"![speedup and memory saving vs n]({stem.name}.png)",
         "",
     ]
-    stem.with_suffix(".md").write_text("\n".join(lines))
+    write_markdown(stem.with_suffix(".md"), lines, echo=False)
     plot(rows, args.ks, stem.with_suffix(".png"), size, m_features)
 
 
@@ -379,12 +387,7 @@ def stem_name(size: str, projection: str) -> str:
 
 
 def plot(rows: list[dict], ks: list[int], path: Path, size: str, m_features: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = agg_subplots(1, 2, figsize=(11, 4.2))
     for k in ks:
         sub = [r for r in rows if r["k"] == k]
         ns = [r["n"] for r in sub]
@@ -411,8 +414,7 @@ def plot(rows: list[dict], ks: list[int], path: Path, size: str, m_features: int
     left.set_ylabel("speedup (x)")
     right.set_ylabel("memory saving (x)")
     fig.suptitle(f"Linformer and Performer vs vanilla, ONNX Runtime CPU, {size} size, batch 1")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
