@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
                                                  "write the batcher's token budget into the bundle's manifest.json")
     calibrate.add_argument("--bundle", type=Path, required=True, help="classify bundle, e.g. models/classify-linformer")
     calibrate.add_argument("--threads", type=int, default=1, help="ORT threads per server process (default 1)")
+    calibrate.add_argument("--reuse-table", action="store_true",
+                           help="choose again from the table already in manifest.json instead of measuring")
     peer = sub.add_parser("ctranslate2", help="the same weights as a CTranslate2 model (the benchmark peer)")
     peer.add_argument("--bundle", type=Path, required=True, help="a vanilla translator: models/translate-transformer")
     peer.add_argument("--out", type=Path, required=True, help="e.g. .cache/ct2/translate-transformer (not a bundle)")
@@ -64,10 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.task == "calibrate":  # onnxruntime only: runs on the serving machine without torch
         from export.calibrate import calibrate_bundle, table_markdown
 
-        batching = calibrate_bundle(args.bundle, args.threads)
+        batching = calibrate_bundle(args.bundle, args.threads, reuse_table=args.reuse_table)
         print(table_markdown(batching))
         print(json.dumps({"bundle": str(args.bundle), "max_batch_tokens": batching["max_batch_tokens"],
-                          "worst_length_ratio_to_best": batching["worst_length_ratio_to_best"]}))  # fmt: skip
+                          "worst_length_ratio_to_best": batching["worst_length_ratio_to_best"],
+                          "max_batch_size_by_length": batching["max_batch_size_by_length"]}))  # fmt: skip
         return
     if args.task == "ctranslate2":  # a bundle in, a CTranslate2 model out: no checkpoint, no torch
         from export.ctranslate2 import convert

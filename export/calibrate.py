@@ -5,8 +5,9 @@ and the machine (caches, the attention's n x k matrices), texts/s falls again. O
 64-token texts run fastest in batches of about 8, and 512-token texts in batches of 1 to 4 (~20 % slower per
 text at 32). The dynamic batcher caps a batch at `max_batch_tokens` padded tokens (batch x longest), so one
 budget serves every length: this picks the budget under which the worst length runs closest to its own
-best rate, and writes it with the table into the bundle's manifest.json, where the service reads it
-(LINFORMER_MAX_BATCH_TOKENS still overrides it).
+best rate, and, under that budget, each length's own batch size (the largest within the noise of its best),
+and writes both with the table into the bundle's manifest.json, where the service reads them
+(LINFORMER_MAX_BATCH_TOKENS still overrides them: an explicit budget alone then decides).
 
 Timed with one ORT thread (the served set-up: one core per server process) in CPU seconds of this process,
 so another process sharing the core does not skew it. Export runs it; run it again on the machine that
@@ -30,7 +31,7 @@ from loadtest.report import cpu_model
 
 LENGTHS = (16, 64, 128, 256, 512, 1024)
 BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-# run-to-run spread of one rate on a shared core (3 repeats, median): differences below it decide nothing
+# run-to-run spread of one rate on a shared core (median of the repeats): differences below it decide nothing
 NOISE = 0.03
 
 
@@ -46,27 +47,32 @@ def _session(model: Path, threads: int) -> ort.InferenceSession:
     return ort.InferenceSession(str(model), sess_options=options, providers=["CPUExecutionProvider"])
 
 
-def texts_per_cpu_second(session: ort.InferenceSession, batch: int, length: int, vocab_size: int,
-                         tokens: int = 16384, repeats: int = 3) -> float:  # fmt: skip
-    """Median over `repeats` of texts per CPU second, each repeat about `tokens` real tokens of work."""
-    ids = np.random.default_rng(0).integers(4, vocab_size, size=(batch, length), dtype=np.int64)
-    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-    session.run(None, feeds)  # the first run of a shape allocates
-    runs = max(1, tokens // (batch * length))
-    rates = []
+def texts_per_cpu_second(session: ort.InferenceSession, length: int, vocab_size: int, tokens: int = 16384,
+                         repeats: int = 5) -> dict[int, float]:  # fmt: skip
+    """batch size -> median over `repeats` of texts per CPU second, each repeat about `tokens` real tokens of
+    work. The batch sizes take turns within each repeat, so a slow spell of a shared core (another process's
+    cache traffic) falls on all of them instead of on one: the per-length choice compares them with each other."""
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for batch in BATCH_SIZES:
+        ids = rng.integers(4, vocab_size, size=(batch, length), dtype=np.int64)
+        feeds[batch] = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        session.run(None, feeds[batch])  # the first run of a shape allocates
+    rates: dict[int, list[float]] = {batch: [] for batch in BATCH_SIZES}
     for _ in range(repeats):
-        started = time.process_time()
-        for _ in range(runs):
-            session.run(None, feeds)
-        rates.append(runs * batch / max(time.process_time() - started, 1e-9))
-    return statistics.median(rates)
+        for batch in BATCH_SIZES:
+            runs = max(1, tokens // (batch * length))
+            started = time.process_time()
+            for _ in range(runs):
+                session.run(None, feeds[batch])
+            rates[batch].append(runs * batch / max(time.process_time() - started, 1e-9))
+    return {batch: statistics.median(batch_rates) for batch, batch_rates in rates.items()}
 
 
 def measure(model: Path, n_max: int, vocab_size: int, threads: int = 1) -> dict[int, dict[int, float]]:
     """length -> batch size -> texts per CPU second."""
     session = _session(model, threads)
-    return {length: {batch: texts_per_cpu_second(session, batch, length, vocab_size) for batch in BATCH_SIZES}
-            for length in LENGTHS if length <= n_max}  # fmt: skip
+    return {length: texts_per_cpu_second(session, length, vocab_size) for length in LENGTHS if length <= n_max}
 
 
 def choose_budget(table: dict[int, dict[int, float]], max_batch_size: int = max(BATCH_SIZES)) -> tuple[int, float]:
@@ -88,24 +94,47 @@ def choose_budget(table: dict[int, dict[int, float]], max_batch_size: int = max(
     return budget, scores[budget]
 
 
-def calibrate_bundle(bundle: Path, threads: int = 1) -> dict:
-    """Measure, choose, and write `batching` into bundle/manifest.json (its `files` are left as they are)."""
+def choose_batch_sizes(table: dict[int, dict[int, float]]) -> dict[int, int]:
+    """-> length -> the largest batch size whose rate is within NOISE of that length's best. One budget has to
+    suit every length at once; this lets each length batch as far as it still gains, and no further. The largest
+    rather than the best: below NOISE the table cannot tell sizes apart, and each batch costs the service a fixed
+    amount on top (the executor hop, padding, waking the requests) that fewer, bigger batches pay less often."""
+    return {length: max(b for b, rate in rates.items() if rate >= (1 - NOISE) * max(rates.values()))
+            for length, rates in table.items()}  # fmt: skip
+
+
+def calibrate_bundle(bundle: Path, threads: int = 1, reuse_table: bool = False) -> dict:
+    """Measure, choose, and write `batching` into bundle/manifest.json (its `files` are left as they are).
+    `reuse_table`: choose again from the table the manifest already holds, without measuring (for a bundle
+    calibrated before a choice was added; the table stays as it was measured, on the machine it names)."""
     config = json.loads((bundle / "config.json").read_text())
     if config.get("task") != "classify":
         raise ValueError(f"{bundle} is a {config.get('task')!r} bundle; the calibration is for classify bundles")
-    model = bundle / config.get("onnx", {}).get("model", "model.onnx")
-    table = measure(model, int(config["n_max"]), int(config["model_config"]["vocab_size"]), threads)
+    manifest_path = bundle / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    if reuse_table:
+        recorded = manifest.get("batching", {})
+        if "texts_per_cpu_second" not in recorded:
+            raise ValueError(f"{bundle}: manifest.json holds no measured table to reuse; calibrate without it")
+        table = {int(length): {int(b): r for b, r in rates.items()}
+                 for length, rates in recorded["texts_per_cpu_second"].items()}  # fmt: skip
+        measured_with = recorded["measured_with"]
+    else:
+        model = bundle / config.get("onnx", {}).get("model", "model.onnx")
+        table = measure(model, int(config["n_max"]), int(config["model_config"]["vocab_size"]), threads)
+        measured_with = {"ort_threads": threads, "cpu": cpu_model(), "nproc": os.cpu_count(),
+                         "onnxruntime": ort.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime())}  # fmt: skip
     budget, worst_ratio = choose_budget(table)
     batching = {
         "max_batch_tokens": budget,
         "worst_length_ratio_to_best": round(worst_ratio, 3),
+        # under the budget, each measured length's own cap; the service takes a batch's padded length to the next
+        # measured length up (the longest measured one's cap beyond it)
+        "max_batch_size_by_length": {str(length): size for length, size in choose_batch_sizes(table).items()},
         "texts_per_cpu_second": {str(length): {str(b): round(r, 1) for b, r in rates.items()}
                                  for length, rates in table.items()},  # fmt: skip
-        "measured_with": {"ort_threads": threads, "cpu": cpu_model(), "nproc": os.cpu_count(),
-                          "onnxruntime": ort.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime())},
-    }  # fmt: skip
-    manifest_path = bundle / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
+        "measured_with": measured_with,
+    }
     manifest["batching"] = batching
     manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
     return batching

@@ -89,6 +89,9 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
         log.info("%s: batches of at most %d padded tokens (%s)", bundle.name, max_batch_tokens,
                  "LINFORMER_MAX_BATCH_TOKENS" if settings.max_batch_tokens else
                  "measured for this bundle, manifest.json" if bundle.max_batch_tokens else "default")  # fmt: skip
+        if bundle.max_batch_size_by_length and not settings.max_batch_tokens:
+            log.info("%s: under it, batch sizes per padded length %s (measured, manifest.json)", bundle.name,
+                     bundle.max_batch_size_by_length)  # fmt: skip
         try:  # files that match their manifest can still be unusable (exported by a newer ORT, say)
             tokenizer = Tokenizer.from_bundle(bundle)
             runtime = make_runtime(bundle, providers, settings)
@@ -112,6 +115,8 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
             max_wait_s=settings.max_wait_ms / 1000,
             max_queue=settings.max_queued_decode_tokens if task == "translate" else settings.max_queue,
             metrics=metrics,
+            # the measured size per length applies under the measured budget; an explicit budget alone decides
+            max_batch_size_by_length=None if settings.max_batch_tokens else bundle.max_batch_size_by_length,
         )
         if task == "translate" and settings.translate_scheduling == "step":  # sources join and leave between steps
             batcher = StepBatcher(runner.live(), **batching)

@@ -3,7 +3,8 @@
 A request's texts enter the queue as separate items (already tokenised), each with its own future;
 the request awaits all of them, so its results come back in order even when its texts are split
 across batches. The worker forms a batch from the oldest live item plus the queued items closest to
-it in length, within `max_batch_size` items and `max_batch_tokens` padded tokens (batch x longest).
+it in length, within `max_batch_size` items and `max_batch_tokens` padded tokens (batch x longest), and,
+where the bundle's calibration measured them, within the batch size that runs fastest per text at its length.
 A batch is sent as soon as it is full or the runtime is free and the oldest item has waited
 `max_wait_s`; while the runtime computes, new items queue and make the next batch. Items whose
 request is gone (client disconnected, deadline passed) are dropped before compute, and a runtime that
@@ -23,10 +24,11 @@ stop_if_abandoned)` returns one output per row. Items are only batched with item
 """
 
 import asyncio
+import bisect
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -105,13 +107,19 @@ class Batcher:
         max_wait_s: float,
         max_queue: int,
         metrics: Metrics | None = None,
+        max_batch_size_by_length: Mapping[int, int] | None = None,
     ):
-        """`max_queue` bounds the summed `cost` of the items waiting (texts, when every cost is 1)."""
+        """`max_queue` bounds the summed `cost` of the items waiting (texts, when every cost is 1).
+        `max_batch_size_by_length` (measured length -> batch size, from the bundle's calibration) caps a batch
+        further by its padded length, taken to the next measured length up (beyond the longest, its cap)."""
         self.run_batch = run_batch
         self.name = name
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size_by_length = dict(sorted((max_batch_size_by_length or {}).items()))
+        self._measured_lengths = list(self.max_batch_size_by_length)
+        self._measured_sizes = list(self.max_batch_size_by_length.values())
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
         self.metrics = metrics
@@ -253,13 +261,21 @@ class Batcher:
                 full = True
                 break
             new_longest = max(longest, item.length)
-            if (len(batch) + 1) * new_longest > self.max_batch_tokens:
-                full = True  # this one would bust the token budget; waiting cannot make it fit
+            if len(batch) + 1 > self._batch_size_limit(new_longest):
+                full = True  # this one would bust the token budget or its length's size; waiting cannot make it fit
                 continue
             batch.append(item)
             longest = new_longest
-        full = full or len(batch) == self.max_batch_size
+        full = full or len(batch) >= min(self.max_batch_size, self._batch_size_limit(longest))
         return batch, full
+
+    def _batch_size_limit(self, longest: int) -> int:
+        """Rows a batch padded to `longest` may hold: the token budget's, under the measured size for its length."""
+        limit = self.max_batch_tokens // longest
+        if self._measured_lengths:
+            at = bisect.bisect_left(self._measured_lengths, longest)
+            limit = min(limit, self._measured_sizes[min(at, len(self._measured_sizes) - 1)])
+        return limit
 
     async def _compute(self, batch: list[_Item]) -> None:
         started = time.monotonic()

@@ -29,6 +29,8 @@ class Bundle:
     config: dict[str, Any] = field(repr=False)
     # the batcher's padded-token budget measured for this model (manifest.json `batching`), if any
     max_batch_tokens: int | None = None
+    # under it, the batch size measured best per padded length (`batching.max_batch_size_by_length`), if any
+    max_batch_size_by_length: dict[int, int] | None = None
 
     @property
     def tokenizer_path(self) -> Path:
@@ -109,6 +111,16 @@ def load_bundle(path: Path) -> Bundle:
             raise BundleError(f"bundle {path}: manifest.json batching.max_batch_tokens must be a positive integer, "
                               f"got {budget!r}; re-run `python -m export calibrate --bundle {path}`")  # fmt: skip
         bundle = replace(bundle, max_batch_tokens=budget)
+    by_length = manifest.get("batching", {}).get("max_batch_size_by_length")
+    if by_length is not None:  # absent in bundles calibrated before it: the budget alone decides, as it did
+        try:
+            sizes = {int(length): size for length, size in by_length.items()}
+            if not sizes or not all(isinstance(n, int) and n >= 1 and length >= 1 for length, n in sizes.items()):
+                raise ValueError("lengths and sizes must be positive integers")
+        except (AttributeError, TypeError, ValueError) as e:
+            raise BundleError(f"bundle {path}: manifest.json batching.max_batch_size_by_length must map lengths to "
+                              f"positive batch sizes ({e}); re-run `python -m export calibrate --bundle {path}`") from e
+        bundle = replace(bundle, max_batch_size_by_length=dict(sorted(sizes.items())))
     if task == "classify" and not bundle.labels:
         raise BundleError(f"bundle {path}: a classify bundle needs a non-empty 'labels' list")
     return bundle

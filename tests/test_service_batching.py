@@ -194,6 +194,32 @@ async def test_similar_lengths_are_batched_together_within_the_token_budget():
     assert all(len(b) * max(b) <= 40 for b in runtime.batches)
 
 
+async def test_each_padded_length_batches_up_to_its_measured_size_under_the_budget():
+    runtime = RecordingRuntime()
+    # measured: 16-token batches best up to 8, 64-token ones up to 2; beyond 64 the longest measured cap (2)
+    batcher = make_batcher(runtime, max_batch_size=32, max_batch_tokens=1000, max_wait_s=0.2,
+                           max_batch_size_by_length={64: 2, 16: 8})  # fmt: skip
+    batcher.start()
+    lengths = [16] * 10 + [60] * 5 + [200] * 3 + [12] * 3
+    outputs = await asyncio.gather(*(batcher.submit([[1] * n], timeout_s=5) for n in lengths))
+    await batcher.close()
+    assert [out[0][0] for out in outputs] == lengths
+    by_longest = sorted((max(b), len(b)) for b in runtime.batches)
+    # 12- and 16-token texts take the 16 bucket's 8 (13 of them: 8 + 5); 60-token ones the 64 bucket's 2; the
+    # fifth 60 joins the closest text left, a 200, in a batch padded to 200: past every measured length, the
+    # longest one's 2 (the budget, 1000 // 200 = 5, does not bind)
+    assert by_longest == [(16, 5), (16, 8), (60, 2), (60, 2), (200, 2), (200, 2)]
+
+
+async def test_without_measured_sizes_the_budget_alone_decides():
+    runtime = RecordingRuntime()
+    batcher = make_batcher(runtime, max_batch_size=32, max_batch_tokens=1000, max_wait_s=0.2)
+    batcher.start()
+    await asyncio.gather(*(batcher.submit([[1] * 60], timeout_s=5) for _ in range(20)))
+    await batcher.close()
+    assert sorted(map(len, runtime.batches)) == [4, 16]  # 1000 // 60 = 16 rows
+
+
 async def test_a_multi_text_request_split_across_batches_keeps_its_order():
     runtime = RecordingRuntime()
     batcher = make_batcher(runtime, max_batch_size=2)
