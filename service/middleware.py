@@ -339,8 +339,8 @@ class RequestContextMiddleware:
         scope under ADMISSION_SCOPE_KEY for `__call__`. Taking the slot here, not in the ASGI task, matters in a
         flood: the requests read in one turn of the event loop all have their headers parsed before any of their
         tasks runs, and with the slot taken in the task each of them saw the same free slot, got a task and all
-        but one were refused there, at several times the cost (about a fifth of the refusals, counted with
-        `perf trace`; benchmarks/results/overload-waitroom/README.md). Requests the callback does not see
+        but one were refused there, at several times the cost (in a 3x flood 15 % of the refusals by a `perf trace`
+        count, 10-40 % in `strace` samples; benchmarks/results/overload-waitroom/). Requests the callback does not see
         (in-process clients, targets with a query string, pipelined requests) are decided in `__call__`."""
         task = _TASK_TARGETS.get(target)
         return None if task is None else self.admission[task].arrive()
