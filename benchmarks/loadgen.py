@@ -66,13 +66,15 @@ def wait_until_ready(proc: subprocess.Popen, port: int, timeout_s: float = 60) -
 class Server:
     """`python -m service` in its own process, optionally pinned to CPU cores with `taskset`."""
 
-    def __init__(self, port: int, env: dict[str, str], cores: str | None = "0", log: Path | None = None):
+    def __init__(self, port: int, env: dict[str, str], cores: str | None = "0", log: Path | None = None,
+                 tree: Path = REPO):  # fmt: skip
+        """`tree`: the checkout whose `service` runs (another commit's, to compare with it in one session)."""
         self.port, self.env = port, env
         command = [sys.executable, "-m", "service", "--port", str(port)]
         if cores is not None:
             command = ["taskset", "-c", cores, *command]
         self.log = open(log or os.devnull, "w")  # noqa: SIM115  (closed in stop)
-        self.proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **env}, stdout=self.log,
+        self.proc = subprocess.Popen(command, cwd=tree, env={**os.environ, **env}, stdout=self.log,
                                      stderr=subprocess.STDOUT)  # fmt: skip
         wait_until_ready(self.proc, port)
 
@@ -95,13 +97,13 @@ class Server:
         return code
 
 
-def classify_server_on_core_0(bundle: str, settings: list[str]) -> Server:
+def classify_server_on_core_0(bundle: str, settings: list[str], tree: Path = REPO) -> Server:
     """The measured set-up of overload and soak: one classify bundle, 1 ORT thread, the server on core 0 and
     this process (the load) on core 1; `settings` are extra `LINFORMER_X=value` strings."""
     env = {"LINFORMER_CLASSIFY_MODEL": bundle, "LINFORMER_TRANSLATE_MODEL": "",
            "LINFORMER_ORT_INTRA_OP_THREADS": "1", "LINFORMER_ORT_INTER_OP_THREADS": "1",
            "LINFORMER_LOG_LEVEL": "warning", **dict(s.split("=", 1) for s in settings)}  # fmt: skip
-    server = Server(free_port(), env, cores="0")
+    server = Server(free_port(), env, cores="0", tree=tree)
     pin_to({1})
     return server
 

@@ -25,6 +25,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from service.app import ServiceApp, create_app
 from service.bundle import BundleError
 from service.config import Settings
+from service.middleware import ADMISSION_SCOPE_KEY, Admission
 
 log = logging.getLogger("service")
 
@@ -96,25 +97,29 @@ _REFUSED = _Refused()
 
 
 def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol, except that a POST refused at admission is answered as soon as its headers are
-    parsed, before uvicorn builds the request's scope path, cycle, timers and ASGI task: under a flood most
-    requests are refusals, and each one costs the core the model runs on. Written against uvicorn 0.54's
-    callbacks (`pyproject.toml` pins the minor version; tests/test_service_reliability.py fails if the hook stops
-    being called). Anything unusual (a pipelined request, an upgrade, a query string) takes uvicorn's path,
-    where the ASGI middleware applies the same limit."""
+    """uvicorn's httptools protocol, except that a POST to a task route is admitted (its slot taken) or refused as
+    soon as its headers are parsed, and a refusal answered there, before uvicorn builds the request's scope path,
+    cycle, timers and ASGI task: under a flood most requests are refusals, and each one costs the core the model
+    runs on. Written against uvicorn 0.54's callbacks (`pyproject.toml` pins the minor version;
+    tests/test_service_reliability.py fails if the hook stops being called). Anything unusual (a pipelined
+    request, an upgrade, a query string) takes uvicorn's path, where the ASGI middleware decides instead."""
 
     class AdmittingHttpToolsProtocol(HttpToolsProtocol):
         def on_headers_complete(self) -> None:
             context = app.request_context
-            refusal = None
-            if (context is not None and self.parser.get_method() == b"POST" and not self.parser.should_upgrade()
-                    and (self.cycle is None or self.cycle.response_complete)):  # fmt: skip
-                refusal = context.refusal(self.url, self.headers, self.client)
-            if refusal is None:
+            decision = None
+            # (uvicorn's own limit_concurrency would hand the request to its 503 app instead of ours: not used)
+            previous_done = self.cycle is None or self.cycle.response_complete  # else pipelined: uvicorn queues it
+            if (context is not None and self.limit_concurrency is None and previous_done
+                    and self.parser.get_method() == b"POST" and not self.parser.should_upgrade()):  # fmt: skip
+                decision = context.arrive_at_headers(self.url)
+            if decision is not Admission.REFUSE:
                 super().on_headers_complete()
+                if decision is not None:  # ADMIT (its slot taken) or WAIT: the middleware goes on from there
+                    self.scope[ADMISSION_SCOPE_KEY] = decision
                 return
             self.cycle = _REFUSED  # its body, if any, is read and dropped
-            self.transport.write(refusal)
+            self.transport.write(context.refusal(self.url, self.headers, self.client))
             keep_alive = self.parser.should_keep_alive() and self.parser.get_http_version() != "1.0"
             if keep_alive and not app.state.service.draining:
                 self.on_response_complete()

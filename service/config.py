@@ -51,7 +51,8 @@ class Settings(BaseSettings):
     # task route; a request over the limits is refused before its body is parsed, so refusing costs next to nothing.
     # A stall and a flood look alike for a moment but need opposite answers: a stall of the core (another process, a
     # long batch) piles up requests that are served soon after, a flood keeps arriving faster than the model serves.
-    # So a request over the burst limit waits for a slot (up to `max_waiting_requests` of them) instead of being
+    # So a request over the burst limit waits for a slot (up to `max_waiting_requests` of them, each at most
+    # `request_timeout_s`, then 504; one whose client leaves gives up its place at once) instead of being
     # refused, and only while the route is flooded (requests arrive at over twice the rate they complete, two 0.1-s
     # windows in a row, service/middleware.py) are the waiting requests refused and `shed_concurrent_requests`
     # admitted, about what keeps one core's model busy, so accepted requests keep their unloaded latency

@@ -48,6 +48,12 @@ class Metrics:
             "Requests refused with 429: reason concurrency (admission, before the body is read) or queue_full",
             ["route", "reason"], registry=r,
         )
+        self.left_waiting = Counter(
+            "linformer_left_waiting_requests",
+            "Requests that left admission's waiting room without a slot: reason client_left (connection closed; "
+            "nothing computed, logged as 499) or deadline (504)",
+            ["route", "reason"], registry=r,
+        )
 
         # (metric, label values) -> bound child: `.labels()` takes a lock and builds a key on every call
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.deps import ServiceState
-from service.errors import error_body
+from service.errors import CLIENT_CLOSED_REQUEST, error_body
 
 access_log = logging.getLogger("service.access")
 log = logging.getLogger(__name__)
@@ -28,6 +28,8 @@ _REQUEST_ID_CHARS = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuv
 # routes whose requests reach a model: only these are admission-controlled
 TASK_PATHS = ("/classify", "/translate")
 _TASK_TARGETS = {path.encode(): path for path in TASK_PATHS}  # the request line's target, as the parser gives it
+# where the header-parser callback leaves its admission decision for the ASGI middleware (service/__main__.py)
+ADMISSION_SCOPE_KEY = "linformer.admission"
 _REQUEST_ID_SLOT = "@request-id@"  # where a refusal's template takes the request id (JSON-safe, like every id)
 
 # The flood test (RouteAdmission). A window is flooded when requests arrived at more than FLOOD_RATIO times the rate
@@ -46,6 +48,8 @@ class Admission(Enum):
     ADMIT = "admit"
     WAIT = "wait"
     REFUSE = "refuse"
+    EXPIRED = "expired"  # waited until its deadline without a slot
+    LEFT = "left"  # its client closed the connection while it waited
 
 
 class RouteAdmission:
@@ -67,7 +71,7 @@ class RouteAdmission:
         self.clock = clock
         self.in_flight = 0
         self.shedding = False
-        self.waiting: deque[asyncio.Future[bool]] = deque()  # True: admitted (in_flight counts it), False: refused
+        self.waiting: deque[asyncio.Future[Admission]] = deque()  # ADMIT (in_flight counts it), REFUSE or EXPIRED
         self._window_end = -math.inf
         self._arrivals = self._completions = 0
         self._found_full = False  # an arrival in this window found no free slot
@@ -78,16 +82,6 @@ class RouteAdmission:
     @property
     def limit(self) -> int:
         return self.shed_limit if self.shedding else self.burst_limit
-
-    def refuse_now(self) -> bool:
-        """For the header-parser callback: if an arrival now is refused, count it and say so; if not, count nothing
-        (the request goes on to `arrive`)."""
-        self._roll()
-        if self.in_flight < self.limit or not self._no_room_to_wait():
-            return False
-        self._arrivals += 1
-        self._found_full = True
-        return True
 
     def arrive(self) -> Admission:
         """Count an arrival and decide: ADMIT (counted in progress), WAIT (call `wait_for_slot`) or REFUSE."""
@@ -103,18 +97,30 @@ class RouteAdmission:
         """A request that finds the route full is refused: it sheds, or its waiting room is full."""
         return self.shedding or len(self.waiting) >= self.max_waiting
 
-    async def wait_for_slot(self) -> bool:
-        """After WAIT: True once admitted (in progress), False if refused meanwhile (the route started shedding)."""
-        slot = asyncio.get_running_loop().create_future()
+    async def wait_for_slot(self, timeout_s: float) -> Admission:
+        """After WAIT: ADMIT once given a slot (counted in progress), REFUSE if the route starts shedding meanwhile,
+        EXPIRED once `timeout_s` (the request's deadline) passes without a slot: it leaves the room then, rather than
+        being admitted late. Cancelled (its client left): it leaves the room, and a slot given to it just before goes
+        to the next waiting request."""
+        loop = asyncio.get_running_loop()
+        slot: asyncio.Future[Admission] = loop.create_future()
         self.waiting.append(slot)
+        expiry = loop.call_later(timeout_s, self._expire, slot)
         try:
             return await slot
-        except asyncio.CancelledError:  # the client left
-            if slot.done() and not slot.cancelled() and slot.result():
+        except asyncio.CancelledError:
+            if slot.done() and not slot.cancelled() and slot.result() is Admission.ADMIT:
                 self.complete(counted=False)  # admitted just before: give the slot back
-            else:
+            elif slot in self.waiting:  # (a cancelled slot may have been taken off the room already)
                 self.waiting.remove(slot)
             raise
+        finally:
+            expiry.cancel()
+
+    def _expire(self, slot: asyncio.Future[Admission]) -> None:
+        if not slot.done():
+            self.waiting.remove(slot)
+            slot.set_result(Admission.EXPIRED)
 
     def complete(self, counted: bool = True) -> None:
         """A request in progress has its answer (or left): its slot goes to the first waiting request."""
@@ -137,7 +143,7 @@ class RouteAdmission:
                 while self.waiting:
                     slot = self.waiting.popleft()
                     if not slot.done():
-                        slot.set_result(False)
+                        slot.set_result(Admission.REFUSE)
             elif self.shedding and now - self._last_flooded_end >= SHED_CALM_S:
                 self.shedding = False
             self._arrivals = self._completions = 0
@@ -147,7 +153,7 @@ class RouteAdmission:
             slot = self.waiting.popleft()
             if not slot.done():
                 self.in_flight += 1
-                slot.set_result(True)
+                slot.set_result(Admission.ADMIT)
         if self.waiting and self.in_flight < self.limit and self._recheck is None:
             # held back with free slots: the next arrival or completion would look again, but a burst of one-off
             # requests may send none, so look again when this window ends
@@ -184,6 +190,7 @@ class RequestContextMiddleware:
         self.metrics = state.metrics
         settings = state.settings
         self.max_body_bytes = settings.max_body_bytes
+        self.request_timeout_s = settings.request_timeout_s  # also the longest a request waits for a slot
         self.admission = {
             task: RouteAdmission(settings.max_concurrent_requests, settings.shed_concurrent_requests,
                                  settings.max_waiting_requests)
@@ -224,10 +231,11 @@ class RequestContextMiddleware:
             await send(message)
 
         received = 0
+        receive_body = receive  # after a wait in the room: what was read meanwhile first (`_wait_in_room`)
 
         async def receive_limited() -> Message:
             nonlocal received
-            message = await receive()
+            message = await receive_body()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:  # chunked bodies have no content-length to check
@@ -236,12 +244,22 @@ class RequestContextMiddleware:
 
         admitted = False
         try:
+            decision = Admission.ADMIT
             if task is not None:
-                admission = self.admission[task]
-                decision = admission.arrive()
-                admitted = decision is Admission.ADMIT or (
-                    decision is Admission.WAIT and await admission.wait_for_slot())
-            if task is not None and not admitted:
+                # decided already if the header-parser callback saw the request (served under uvicorn), else now
+                decision = scope.get(ADMISSION_SCOPE_KEY) or self.admission[task].arrive()
+                if decision is Admission.WAIT:
+                    decision, receive_body = await self._wait_in_room(task, receive)
+                admitted = decision is Admission.ADMIT
+            if decision is Admission.LEFT:  # nobody to answer: nothing read for the app, nothing computed
+                status = CLIENT_CLOSED_REQUEST
+                self.metrics.child(self.metrics.left_waiting, task, "client_left").inc()
+            elif decision is Admission.EXPIRED:
+                self.metrics.child(self.metrics.left_waiting, task, "deadline").inc()
+                await self._send_error(send_with_context, 504, "deadline_exceeded", request_id,
+                                       f"no slot within {self.request_timeout_s:g} s (LINFORMER_REQUEST_TIMEOUT_S): "
+                                       f"{task} was at capacity for that long; try again later")  # fmt: skip
+            elif decision is Admission.REFUSE:
                 retry_after = self._refuse(task)
                 await self._send_error(send_with_context, 429, "overloaded", request_id,
                                        self._at_capacity(task, self.admission[task].shedding),
@@ -262,7 +280,9 @@ class RequestContextMiddleware:
                 self.admission[task].complete()
                 if status == 200:
                     self._latency_s[task] = 0.9 * self._latency_s[task] + 0.1 * elapsed
-            route_label = path if endpoint is not None else getattr(scope.get("route"), "path", "unmatched")
+            # a task request answered here (refused, expired, left) never reached the router: label it by its route
+            routed = endpoint is not None or (task is not None and not admitted)
+            route_label = path if routed else getattr(scope.get("route"), "path", "unmatched")
             self.metrics.observe_request(route_label, status, elapsed)
             client = scope.get("client") or ("-", 0)
             access_log.info(
@@ -270,18 +290,66 @@ class RequestContextMiddleware:
                 request_id, scope["method"], path, status, elapsed * 1000, client[0],
             )
 
-    def refusal(self, target: bytes, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | None
-                ) -> bytes | None:  # fmt: skip
-        """The whole HTTP/1.1 answer refusing a POST to `target` at admission, or None to let it in.
+    async def _wait_in_room(self, task: str, receive: Receive) -> tuple[Admission, Receive]:
+        """Wait for a slot on `task` while watching the connection: -> the outcome (ADMIT, REFUSE, EXPIRED or LEFT)
+        and the `receive` the app reads the body from.
 
-        uvicorn's protocol calls this as soon as a POST's headers are parsed (service/__main__.py), before it builds
-        anything for the request, so a 429 under a flood skips uvicorn's request cycle, the ASGI task, the ASGI
-        layers and the response machinery: it is the one answer the server gives most often then. The ASGI path
-        above checks the same limit again (in-process clients, targets with a query string, pipelined requests).
-        """
+        A client that gives up (its timeout, a closed connection) leaves the room at once: otherwise its request would
+        keep its place, be admitted later and computed for nobody, and everyone behind it would wait longer. ASGI says
+        a client left only through `receive` (http.disconnect), so the body is read while waiting and kept for the app
+        (uvicorn has it in memory already, up to its 64 KiB read-ahead); past LINFORMER_MAX_BODY_BYTES the watch stops
+        and the app answers 413 once admitted."""
+        room = self.admission[task]
+        kept: deque[Message] = deque()
+        waiting = asyncio.ensure_future(room.wait_for_slot(self.request_timeout_s))
+        watching = asyncio.ensure_future(self._read_until_client_leaves(receive, kept))
+        try:
+            await asyncio.wait((waiting, watching), return_when=asyncio.FIRST_COMPLETED)
+            if watching.done() and watching.result():  # the client left
+                if not waiting.done():
+                    waiting.cancel()  # leaves the room (or gives back a slot it was given meanwhile)
+                elif waiting.result() is Admission.ADMIT:
+                    room.complete(counted=False)  # admitted in the same moment: the slot goes to the next one
+                return Admission.LEFT, receive
+            outcome = await waiting
+        finally:
+            watching.cancel()  # uvicorn's receive may be cancelled: what it has not returned stays buffered
+            waiting.cancel()  # only if this task itself was cancelled: no-op once done
+
+        async def kept_first() -> Message:
+            return kept.popleft() if kept else await receive()
+
+        return outcome, kept_first
+
+    async def _read_until_client_leaves(self, receive: Receive, kept: deque[Message]) -> bool:
+        """True once the client disconnects; False if it stopped watching over the body limit."""
+        body_bytes = 0
+        while body_bytes <= self.max_body_bytes:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return True
+            kept.append(message)
+            body_bytes += len(message.get("body", b""))
+        return False
+
+    def arrive_at_headers(self, target: bytes) -> Admission | None:
+        """Admission of a POST to `target` as soon as its headers are parsed: None if the target is no task route,
+        else the decision, counted (ADMIT takes the slot now). uvicorn's protocol calls this (service/__main__.py)
+        before it builds anything for the request, answers REFUSE with `refusal` and leaves ADMIT or WAIT in the
+        scope under ADMISSION_SCOPE_KEY for `__call__`. Taking the slot here, not in the ASGI task, matters in a
+        flood: the requests read in one turn of the event loop all have their headers parsed before any of their
+        tasks runs, and with the slot taken in the task each of them saw the same free slot, got a task and all
+        but one were refused there, at several times the cost (in a 3x flood 15 % of the refusals by a `perf trace`
+        count, 10-40 % in `strace` samples; benchmarks/results/overload-waitroom/). Requests the callback does not see
+        (in-process clients, targets with a query string, pipelined requests) are decided in `__call__`."""
         task = _TASK_TARGETS.get(target)
-        if task is None or not self.admission[task].refuse_now():
-            return None
+        return None if task is None else self.admission[task].arrive()
+
+    def refusal(self, target: bytes, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | None) -> bytes:
+        """The whole HTTP/1.1 answer refusing a POST to `target` (a task route) that `arrive_at_headers` refused:
+        a 429 under a flood skips uvicorn's request cycle, the ASGI task, the ASGI layers and the response
+        machinery, since it is the one answer the server gives most often then."""
+        task = _TASK_TARGETS[target]
         request_id = self._request_id(headers)
         before_id, after_id = self._refusal_bodies[task, self.admission[task].shedding]
         body_length = len(before_id) + len(request_id) + len(after_id)

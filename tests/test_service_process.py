@@ -264,3 +264,102 @@ def test_under_uvicorn_a_refusal_at_admission_is_a_complete_429_and_the_connecti
     finally:
         code, out = stop(proc)
     assert code == 0, out
+
+
+def _serve_script(models_dir: Path, port: int, **settings) -> str:
+    """A served process (uvicorn, our protocol) whose settings are make_settings' plus `settings`."""
+    return textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from conftest import make_settings
+        from service.__main__ import serve
+        from service.app import create_app
+        settings = make_settings({str(models_dir)!r}, translate_model="", port={port}, **{settings!r})
+        serve(create_app(settings), settings)
+    """)
+
+
+def _post_over_socket(port: int, body: bytes, with_body: bool = True) -> socket.socket:
+    """A POST /classify on its own connection; with_body=False sends only the headers (the body is promised)."""
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.sendall(b"POST /classify HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(body), body if with_body else b""))  # fmt: skip
+    return conn
+
+
+def _status_of_answer(conn: socket.socket, timeout_s: float = 10) -> int:
+    conn.settimeout(timeout_s)
+    head = b""
+    while b"\r\n" not in head:
+        chunk = conn.recv(4096)
+        assert chunk, "connection closed without an answer"
+        head += chunk
+    return int(head.split(b" ", 2)[1])
+
+
+def _metric(base: str, prefix: str) -> float:
+    lines = [line for line in httpx.get(f"{base}/metrics").text.splitlines() if line.startswith(prefix)]
+    return sum(float(line.split()[-1]) for line in lines)
+
+
+def test_a_waiting_request_whose_client_closes_leaves_the_room_and_the_slot_goes_to_the_next(models_dir):
+    """Clients that connect, send, and close while their requests wait for a slot: their requests leave the waiting
+    room at once (its places free again, counted as client_left, logged as 499) and are never computed; the next
+    waiting request gets the slot."""
+    port = free_port()
+    proc = start(["-c", _serve_script(models_dir, port, max_concurrent_requests=1, max_waiting_requests=2,
+                                      log_level="info")], port)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    body = b'{"text": "the film"}'
+    try:
+        holder = _post_over_socket(port, body, with_body=False)  # admitted: holds the one slot, its body pending
+        time.sleep(0.2)
+        leavers = [_post_over_socket(port, body) for _ in range(2)]  # they wait, and fill the waiting room
+        time.sleep(0.2)
+        assert httpx.post(f"{base}/classify", content=body).status_code == 429  # the room is full
+        for conn in leavers:
+            conn.close()  # their clients give up
+        time.sleep(0.3)
+        assert _metric(base, 'linformer_left_waiting_requests_total{reason="client_left"') == 2
+        following = _post_over_socket(port, body)  # the room has space again: it waits, it is not refused
+        time.sleep(0.2)
+        following.settimeout(0)
+        with pytest.raises(BlockingIOError):
+            following.recv(1)  # no answer yet: waiting
+        holder.sendall(body)
+        assert _status_of_answer(holder) == 200
+        assert _status_of_answer(following) == 200  # the slot went to the next waiting request
+        assert _metric(base, "linformer_batch_size_sum") == 2  # the two that left were never computed
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
+    assert out.count("status=499") == 2, out
+
+
+def test_a_request_that_waits_past_its_deadline_is_answered_504_and_never_admitted_late(models_dir):
+    """The waiting room is bounded in time too: a request that gets no slot within LINFORMER_REQUEST_TIMEOUT_S is
+    answered 504 deadline_exceeded when its deadline passes, not admitted and computed later."""
+    port = free_port()
+    proc = start(["-c", _serve_script(models_dir, port, max_concurrent_requests=1, max_waiting_requests=4,
+                                      request_timeout_s=0.5)], port)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    body = b'{"text": "the film"}'
+    try:
+        holder = _post_over_socket(port, body, with_body=False)  # holds the slot for as long as we like
+        time.sleep(0.2)
+        started = time.monotonic()
+        late = httpx.post(f"{base}/classify", content=body, headers={"x-request-id": "late-1"}, timeout=10)
+        waited = time.monotonic() - started
+        assert late.status_code == 504 and 0.45 <= waited < 2.0, (late.status_code, waited)
+        error = late.json()["error"]
+        assert error["code"] == "deadline_exceeded" and error["request_id"] == "late-1"
+        assert "LINFORMER_REQUEST_TIMEOUT_S" in error["message"]
+        holder.sendall(body)
+        assert _status_of_answer(holder) == 200
+        time.sleep(0.2)
+        assert _metric(base, 'linformer_left_waiting_requests_total{reason="deadline"') == 1
+        assert _metric(base, "linformer_batch_size_sum") == 1  # only the holder's text was computed
+        assert httpx.post(f"{base}/classify", content=body).status_code == 200  # the slot is free again
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out

@@ -272,7 +272,7 @@ async def test_admission_serves_a_stalls_pile_without_refusing_it():
     waiters = []
     for _ in range(30):  # the pile: over the burst limit, so they wait
         assert route.arrive() is Admission.WAIT
-        waiters.append(asyncio.ensure_future(route.wait_for_slot()))
+        waiters.append(asyncio.ensure_future(route.wait_for_slot(60)))
     await _settle()
     route.complete()  # a slot frees, but this window looks flooded: the pile is held back
     await _settle()
@@ -284,14 +284,14 @@ async def test_admission_serves_a_stalls_pile_without_refusing_it():
             decision = route.arrive()
             assert decision is not Admission.REFUSE
             if decision is Admission.WAIT:
-                waiters.append(asyncio.ensure_future(route.wait_for_slot()))
+                waiters.append(asyncio.ensure_future(route.wait_for_slot(60)))
             admitted += 1
         for _ in range(min(3, route.in_flight)):
             route.complete()
             completed += 1
         await _settle()
         assert not route.shedding, tick
-    assert all(w.done() and w.result() is True for w in waiters)  # every waiting request got a slot
+    assert all(w.done() and w.result() is Admission.ADMIT for w in waiters)  # every waiting request got a slot
     assert route.in_flight + completed == admitted + 30 and route.in_flight < 8  # the backlog is worked off
 
 
@@ -311,7 +311,7 @@ async def test_admission_sheds_a_flood_refuses_its_waiting_requests_and_recovers
             decision = route.arrive()
             outcomes.append(decision)
             if decision is Admission.WAIT:
-                waiters.append(asyncio.ensure_future(route.wait_for_slot()))
+                waiters.append(asyncio.ensure_future(route.wait_for_slot(60)))
         for _ in range(min(completions, route.in_flight)):
             route.complete()
         await _settle()
@@ -320,7 +320,8 @@ async def test_admission_sheds_a_flood_refuses_its_waiting_requests_and_recovers
         await step(10, 3)
     assert route.shedding and route.limit == 4
     assert waiters and all(w.done() for w in waiters)
-    assert sum(w.result() is False for w in waiters) > 0.8 * len(waiters)  # refused once the flood was recognised
+    # refused once the flood was recognised
+    assert sum(w.result() is Admission.REFUSE for w in waiters) > 0.8 * len(waiters)
     outcomes.clear()
     for _ in range(20):
         await step(10, 3)
@@ -336,12 +337,12 @@ async def test_admission_refuses_when_the_waiting_room_is_full_and_a_left_waiter
     route = RouteAdmission(burst_limit=1, shed_limit=1, max_waiting=1, clock=_Clock())
     assert route.arrive() is Admission.ADMIT
     assert route.arrive() is Admission.WAIT
-    waiter = asyncio.ensure_future(route.wait_for_slot())
+    waiter = asyncio.ensure_future(route.wait_for_slot(60))
     await _settle()
-    assert route.refuse_now() and route.arrive() is Admission.REFUSE
+    assert route.arrive() is Admission.REFUSE
     waiter.cancel()  # its client left
     await _settle()
-    assert not route.waiting and not route.refuse_now()
+    assert not route.waiting and route.arrive() is Admission.WAIT
 
 
 class _RecordingTransport:
@@ -376,6 +377,7 @@ async def test_a_refusal_is_written_by_the_header_parser_callback_without_an_asg
 
     from service.__main__ import _admitting_protocol
     from service.app import create_app
+    from service.middleware import ADMISSION_SCOPE_KEY, Admission
 
     settings = make_settings(models_dir, translate_model="", max_concurrent_requests=1, max_waiting_requests=0)
     app = create_app(settings)
@@ -408,6 +410,15 @@ async def test_a_refusal_is_written_by_the_header_parser_callback_without_an_asg
     admission.in_flight = 0  # a slot is free: the same connection reaches the app
     protocol.data_received(request)
     assert transport.written == b"" and len(server_state.tasks) == 1
+    # the slot was taken in the callback, before the task runs: a second request read in the same turn of the event
+    # loop is refused there, instead of both getting a task and one being refused in it
+    assert admission.in_flight == 1 and protocol.scope[ADMISSION_SCOPE_KEY] is Admission.ADMIT
+    other = _RecordingTransport()
+    other_protocol = protocol_class(config, server_state, {}, _loop=asyncio.get_running_loop())
+    other_protocol.connection_made(other)
+    other_protocol.data_received(request)
+    assert other.written.startswith(b"HTTP/1.1 429 ") and len(server_state.tasks) == 1
+    other_protocol.connection_lost(None)
     for task in list(server_state.tasks):
         task.cancel()  # the app's lifespan is not running here: only that the request got its task matters
     protocol.connection_lost(None)
@@ -587,7 +598,7 @@ async def test_admission_a_held_back_pile_gets_its_slots_when_nothing_else_happe
     waiters = []
     for _ in range(30):
         assert route.arrive() is Admission.WAIT
-        waiters.append(asyncio.ensure_future(route.wait_for_slot()))
+        waiters.append(asyncio.ensure_future(route.wait_for_slot(60)))
     await _settle()  # they wait
     for _ in range(8):  # in the same window: 38 arrivals, 8 completions
         route.complete()
@@ -595,5 +606,5 @@ async def test_admission_a_held_back_pile_gets_its_slots_when_nothing_else_happe
     assert route.in_flight == 0 and not any(w.done() for w in waiters)  # held back while the window looks flooded
     clock.now += FLOOD_WINDOW_S  # the window ends; nothing arrives or completes
     await asyncio.sleep(FLOOD_WINDOW_S * 1.5)
-    assert sum(w.done() and w.result() is True for w in waiters) == 8 and route.in_flight == 8
+    assert sum(w.done() and w.result() is Admission.ADMIT for w in waiters) == 8 and route.in_flight == 8
     assert not route.shedding
