@@ -42,8 +42,9 @@ class Settings(BaseSettings):
     # step-level batching). "request" stays the default: on the 2-core VM step scheduling cut short requests'
     # latency at 4 users but got 0.59x of request-level throughput at 16 (benchmarks/results/translate-load.md).
     translate_scheduling: Literal["step", "request"] = "request"
-    # deadline for an answer, queue wait and compute: queued texts past it are not computed, and a
-    # translation batch whose requests are all gone or past it stops decoding
+    # deadline for an answer, counted from the request's arrival (a wait for an admission slot, the body's upload,
+    # queue wait and compute all spend it): queued texts past it are not computed, and a translation batch whose
+    # requests are all gone or past it stops decoding
     request_timeout_s: float = Field(30.0, gt=0)
     max_texts_per_request: int = Field(64, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1)

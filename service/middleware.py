@@ -214,7 +214,10 @@ class RequestContextMiddleware:
             return
         started = time.perf_counter()
         request_id = self._request_id(scope["headers"])
-        scope.setdefault("state", {})["request_id"] = request_id  # error bodies quote it (request.state)
+        context = scope.setdefault("state", {})
+        context["request_id"] = request_id  # error bodies quote it (request.state)
+        # one deadline from arrival: waiting for a slot, queue and compute all count against it (routes.py)
+        context["deadline"] = time.monotonic() + self.request_timeout_s
         status = 0
         path = scope["path"]
         task = path if path in self.admission and scope["method"] == "POST" else None

@@ -4,6 +4,7 @@ import asyncio
 import functools
 import json
 import math
+import time
 from collections.abc import Callable, Coroutine, Hashable
 
 from fastapi import APIRouter, Request, Response
@@ -119,8 +120,15 @@ class _DisconnectWatch:
             self._coroutine = None
 
 
+def _time_left_s(scope: Scope, state: ServiceState) -> float:
+    """What is left of the request's deadline: RequestContextMiddleware sets it on arrival, so the time a request
+    waited for an admission slot counts against it (a bare app without the middleware starts it now)."""
+    deadline = scope.get("state", {}).get("deadline")
+    return state.settings.request_timeout_s if deadline is None else deadline - time.monotonic()
+
+
 async def _infer(
-    receive: Receive, state: ServiceState, model: ModelService, route: str, token_ids: list[list[int]],
+    scope: Scope, receive: Receive, state: ServiceState, model: ModelService, route: str, token_ids: list[list[int]],
     options: Hashable = None, cost: int = 1,
 ) -> list:
     """Queue the texts and await their outputs; a client that disconnects meanwhile is dropped: the watch cancels
@@ -130,7 +138,7 @@ async def _infer(
     assert request_task is not None
     watch = _DisconnectWatch(receive, request_task.cancel)
     try:
-        return await model.batcher.submit(token_ids, timeout_s=state.settings.request_timeout_s, options=options,
+        return await model.batcher.submit(token_ids, timeout_s=_time_left_s(scope, state), options=options,
                                           cost=cost)  # fmt: skip
     except asyncio.CancelledError:
         if not watch.fired:
@@ -187,14 +195,14 @@ def classification_json(probabilities: list[list[float]], labels: list[str]) -> 
     return rows
 
 
-async def classify_answer(state: ServiceState, body: ClassifyRequest, receive: Receive) -> bytes:
+async def classify_answer(state: ServiceState, body: ClassifyRequest, scope: Scope, receive: Receive) -> bytes:
     """A validated /classify request -> the JSON of its ClassifyResponse, built as plain data (the response
     model would only validate again what the server itself just computed) from the rows the batch formatted."""
     model = serving_model(state, "classify")
     texts = body.all_texts
     _check_text_count(texts, state.settings.max_texts_per_request)
     encoded = _tokenise(model, texts, body.truncate)
-    rows = await _infer(receive, state, model, "/classify", [e.ids for e in encoded])
+    rows = await _infer(scope, receive, state, model, "/classify", [e.ids for e in encoded])
     results = ", ".join([f'{{{row}, "tokens": {len(enc.ids)}, "truncated": {"true" if enc.truncated else "false"}}}'
                          for enc, row in zip(encoded, rows, strict=True)])  # fmt: skip
     return f'{{"model": {_json_string(model.bundle.name)}, "results": [{results}]}}'.encode()
@@ -205,7 +213,7 @@ async def classify(body: ClassifyRequest, request: Request, state: State):
     """Label each text (e.g. review sentiment); results come back in input order."""
     # In the server, RequestContextMiddleware hands POST /classify to ClassifyEndpoint below, which takes the
     # same steps without the framework's layers; this route documents the API and serves a bare FastAPI app.
-    return Response(await classify_answer(state, body, request.receive), media_type="application/json")
+    return Response(await classify_answer(state, body, request.scope, request.receive), media_type="application/json")
 
 
 def _is_json(content_type: bytes) -> bool:
@@ -228,7 +236,7 @@ class ClassifyEndpoint:
         headers: list[tuple[bytes, bytes]] = []
         try:
             body = await self._read_body(scope, receive)
-            status, answer = 200, await classify_answer(self.state, self._validate(body), receive)
+            status, answer = 200, await classify_answer(self.state, self._validate(body), scope, receive)
         except ServiceError as e:
             status, answer = e.status, error_body(e.code, e.message, request_id)
             headers = [(name.lower().encode(), value.encode()) for name, value in e.headers.items()]
@@ -305,7 +313,7 @@ async def translate(body: TranslateRequest, request: Request, state: State):
     encoded = _tokenise(model, texts, body.truncate)
     # the decoding runtime is batched per (beam_size, max_new_tokens): see Batcher's `options`
     outputs = await _infer(
-        request.receive, state, model, "/translate", [e.ids for e in encoded],
+        request.scope, request.receive, state, model, "/translate", [e.ids for e in encoded],
         options=(body.beam_size, body.max_new_tokens), cost=cost,
     )
     return TranslateResponse(
