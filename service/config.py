@@ -42,6 +42,11 @@ class Settings(BaseSettings):
     # step-level batching). "request" stays the default: on the 2-core VM step scheduling cut short requests'
     # latency at 4 users but got 0.59x of request-level throughput at 16 (benchmarks/results/translate-load.md).
     translate_scheduling: Literal["step", "request"] = "request"
+    # Step scheduling only: short sources first (trips serve the narrowest width class alone, the wider ones keep a
+    # bounded share; service/batcher.py WIDE_SHARE). Off: every trip steps every live source, the throughput policy.
+    # On, short requests' p99 at 16 users was ~2.2-2.6x their 1-user p99 at 0.60-0.67x request-level's tokens/s;
+    # off, see README (Step-level batching).
+    translate_step_short_first: bool = False
     # deadline for an answer, queue wait and compute: queued texts past it are not computed, and a
     # translation batch whose requests are all gone or past it stops decoding
     request_timeout_s: float = Field(30.0, gt=0)
