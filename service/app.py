@@ -119,7 +119,7 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
             max_batch_size_by_length=None if settings.max_batch_tokens else bundle.max_batch_size_by_length,
         )
         if task == "translate" and settings.translate_scheduling == "step":  # sources join and leave between steps
-            batcher = StepBatcher(runner.live(), **batching)
+            batcher = StepBatcher(runner.live(), short_first=settings.translate_step_short_first, **batching)
         else:
             batcher = Batcher(run_batch, **batching)
         state.models[task] = ModelService(bundle, tokenizer, batcher, execution_provider=runtime.provider)

@@ -360,26 +360,36 @@ class LiveDecoding(Protocol):
     def drop(self, keys: set) -> None: ...
 
 
-# Decoder steps per trip to the compute thread: each cohort served takes up to this many steps back to back before
-# the event loop admits, drops and answers again. One step per trip made every call interleave with the other
-# cohorts' and the encoder, and each call ran 30-40 % slower than back to back (cold caches); 4 gave 1.12x the
-# tokens/s at 16 users in-process with a lower short p99 (issue #17's profile). A cohort stops early once the trip's
-# steps have taken TRIP_BUDGET_S (at least one step each), and a trip encodes at most ENCODE_TOKENS_PER_TRIP source
-# tokens of arrivals (at least one source): whatever arrives or ends during a trip waits for it, and 4 steps of 12
-# rows of 256-token sources take ~7 ms, encoding one such source 3.2 ms.
-STEPS_PER_TRIP = 4
-TRIP_BUDGET_S = 0.001
-ENCODE_TOKENS_PER_TRIP = 256
+# What one trip to the compute thread may do: each cohort served takes up to `steps` decoder steps back to back
+# (stopping early, after at least one, once the trip's steps have taken `budget_s`), after encoding at most
+# `encode_tokens` source tokens of arrivals (at least one source). Whatever arrives or ends during a trip waits for
+# it. A call right after the same cohort's last finds its buffers in the CPU caches; after the event loop's HTTP
+# work and the other cohorts' calls it ran 30-40 % slower (issue #17's profile), so bigger trips buy throughput
+# with the wait of arrivals and answers.
+@dataclass(frozen=True)
+class TripLimits:
+    steps: int
+    budget_s: float
+    encode_tokens: int
 
-# Short sources first (shortest remaining work first, by width class: a source's max_new_tokens, and so its work,
-# grows with its length). While more than one width class has work (live rows or queued sources), trips serve the
-# narrowest class alone (its arrivals encoded, its cohort stepped) and the wider classes wait, except that they get
-# a trip of their own once the narrow trips since their last one have taken (1 - WIDE_SHARE) / WIDE_SHARE times as
-# long as it did. So while short work never runs out, the wider sources still get WIDE_SHARE of the compute thread
-# and are never starved: a long source is slowed by short ones at most ~1 / WIDE_SHARE = 4 times (measured at 16
-# users: README, Step-level batching). A short source no longer waits at every trip for the wide cohorts' steps
-# and the long sources' encodes (issue #17: its p99 at 16 users was 11.6x its 1-user p99). A lower share cut the
-# short p99 little (20-24 against 24-26 ms at 0.15 against 0.25, development runs) for 30 % more on the longest.
+
+# Every trip steps every live cohort (the default). Issue #17's fifth round, 16 closed-loop users, fp32, development
+# runs one after the other (benchmarks/results/stepthru-profile.md): 4 steps / 3 ms / 1024 tokens gave 0.71x
+# request-level's tokens/s, 8 steps / 6 ms / 1024 tokens 0.83x (4.0 rows per decoder call, a trip every ~10 ms),
+# short-first 0.59x. The budget counts over the trip's cohorts: the narrow ones, stepped first, take most of the 8.
+THROUGHPUT_TRIPS = TripLimits(steps=8, budget_s=0.006, encode_tokens=1024)
+# short_first's trips stay small: a short source waits for whatever trip is under way when it arrives.
+SHORT_FIRST_TRIPS = TripLimits(steps=4, budget_s=0.001, encode_tokens=256)
+
+# Short sources first (short_first=True, LINFORMER_TRANSLATE_STEP_SHORT_FIRST; shortest remaining work first, by
+# width class: a source's max_new_tokens, and so its work, grows with its length). While more than one width class
+# has work (live rows or queued sources), trips serve the narrowest class alone (its arrivals encoded, its cohort
+# stepped) and the wider classes wait, except that they get a trip of their own once the narrow trips since their
+# last one have taken (1 - WIDE_SHARE) / WIDE_SHARE times as long as it did. So while short work never runs out, the
+# wider sources still get WIDE_SHARE of the compute thread and are never starved: a long source is slowed by short
+# ones at most ~1 / WIDE_SHARE = 4 times. It gave the lowest short p99 at 16 users (2.16x and 2.62x its 1-user p99)
+# and cost the most throughput (0.60x and 0.67x of request-level; 0.59x in issue #17's fifth-round counters): the
+# narrowest cohort steps ~1.4 rows a call, and in a closed loop the users pile up on the starved long sources.
 WIDE_SHARE = 0.25
 
 
@@ -395,13 +405,14 @@ class StepBatcher(Batcher):
 
     The request side is Batcher's: the same queue bounded by cost (QueueFull, Retry-After), deadlines and
     dropping of queued items whose client went away. The worker differs: instead of decoding a batch of
-    whole requests until its last sentence ends, it runs decoder steps over the live sources, up to STEPS_PER_TRIP
+    whole requests until its last sentence ends, it runs decoder steps over the live sources, up to `trip_limits`
     at a time in the compute thread, and between those trips (1) drops each live source whose request is gone or
     past its deadline (the per-source form of `stop_if_abandoned`), (2) admits queued sources, oldest first,
     while the live sources stay within `max_batch_size` texts and `max_batch_tokens` cache positions (rows x
     (source + target so far): what the next steps will read), and (3) answers each source whose search ended
-    during the trip. Each trip serves the width classes of sources that `_plan_trip` picks: short sources first,
-    the wider classes at a bounded share (WIDE_SHARE); a class's arrivals are admitted on its trips. Sources with
+    during the trip. Each trip serves the width classes of sources that `_plan_trip` picks: every live class (the
+    default), or with `short_first` short sources first and the wider classes at a bounded share (WIDE_SHARE), a
+    class's arrivals admitted on its trips. Sources with
     any options share the steps (each keeps its own beam size and length limit); a request's beams join and
     leave together. When nothing is live, the oldest queued source may wait `max_wait_s` for companions, as in
     Batcher. A runtime error fails the sources it hit (BatchFailed), not the others. A step advances every live
@@ -409,9 +420,11 @@ class StepBatcher(Batcher):
     runtime's cache keeps one length per row).
     """
 
-    def __init__(self, live: LiveDecoding, **batcher_settings: Any):
+    def __init__(self, live: LiveDecoding, short_first: bool = False, **batcher_settings: Any):
         super().__init__(self._no_whole_batches, **batcher_settings)
         self.live = live
+        self.short_first = short_first
+        self.trip_limits = SHORT_FIRST_TRIPS if short_first else THROUGHPUT_TRIPS
         self._live_items: list[_Item] = []  # admission order
         self._cost_done = 0  # cost of the sources answered since the last throughput update
         self._busy_s = 0.0  # compute time since then
@@ -464,16 +477,17 @@ class StepBatcher(Batcher):
 
     def _plan_trip(self) -> _Trip:
         """Which width classes the next trip serves and which queued sources join them (see WIDE_SHARE)."""
+        encode_tokens = self.trip_limits.encode_tokens
         classes = set(self.live.widths) | {self.live.width_class(item.length) for item in self._queue}
-        if len(classes) <= 1:
-            return _Trip(None, self._plan_admission(None, ENCODE_TOKENS_PER_TRIP)[0], "only")
+        if len(classes) <= 1 or not self.short_first:
+            return _Trip(None, self._plan_admission(None, encode_tokens)[0], "only")
         narrowest = min(classes)
         if self._narrow_s < self._narrow_allowance_s:
-            joining, _ = self._plan_admission([narrowest], ENCODE_TOKENS_PER_TRIP)
+            joining, _ = self._plan_admission([narrowest], encode_tokens)
             if joining or narrowest in self.live.widths:  # else its arrivals wait for room the wider ones free
                 return _Trip([narrowest], joining, "narrow")
         wider = sorted(classes - {narrowest})
-        return _Trip(wider, self._plan_admission(wider, ENCODE_TOKENS_PER_TRIP)[0], "wide")
+        return _Trip(wider, self._plan_admission(wider, encode_tokens)[0], "wide")
 
     def _leaving_live(self) -> set:
         """Live sources nobody waits for any more: their client went away or their deadline passed."""
@@ -522,8 +536,8 @@ class StepBatcher(Batcher):
         return joining, False
 
     def _advance(self, joining: list[_Item], leaving: set, widths: list[int] | None) -> tuple[dict, dict]:
-        """Compute thread: the leaving sources go, the joining ones are encoded, then up to STEPS_PER_TRIP steps of
-        the cohorts of `widths` (None: all; see the class)."""
+        """Compute thread: the leaving sources go, the joining ones are encoded, then up to `trip_limits.steps` steps
+        of the cohorts of `widths` (None: all; see the class)."""
         if leaving:
             self.live.drop(leaving)
         failed: dict[Hashable, Exception] = {}
@@ -541,7 +555,8 @@ class StepBatcher(Batcher):
                 )  # fmt: skip
         if not self.live.rows:
             return {}, failed
-        finished, step_failed = self.live.step(STEPS_PER_TRIP, widths, TRIP_BUDGET_S)
+        limits = self.trip_limits
+        finished, step_failed = self.live.step(limits.steps, widths, limits.budget_s)
         return finished, failed | step_failed
 
     def _answer(self, finished: dict, failed: dict) -> None:

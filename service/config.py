@@ -39,9 +39,14 @@ class Settings(BaseSettings):
     # How /translate schedules decoding (policy in service/batcher.py). "step": continuous batching, new
     # sources join the decode loop between decoder steps and finished ones answer at once; "request": a batch
     # of whole requests decodes until its last sentence ends while later arrivals wait (the behaviour before
-    # step-level batching). "request" stays the default: on the 2-core VM step scheduling cut short requests'
-    # latency at 4 users but got 0.59x of request-level throughput at 16 (benchmarks/results/translate-load.md).
+    # step-level batching). "request" stays the default: on the 2-core VM step scheduling cut short requests' p99
+    # at 4 and 16 users but got 0.88x of request-level throughput at 16 (benchmarks/results/translate-load-stepthru.md).
     translate_scheduling: Literal["step", "request"] = "request"
+    # Step scheduling only: short sources first (trips serve the narrowest width class alone, the wider ones keep a
+    # bounded share; service/batcher.py WIDE_SHARE). Off: every trip steps every live source, the throughput policy.
+    # On, short requests' p99 at 16 users was ~2.2-2.6x their 1-user p99 at 0.60-0.67x request-level's tokens/s;
+    # off, see README (Step-level batching).
+    translate_step_short_first: bool = False
     # deadline for an answer, counted from the request's arrival (a wait for an admission slot, the body's upload,
     # queue wait and compute all spend it): queued texts past it are not computed, and a translation batch whose
     # requests are all gone or past it stops decoding

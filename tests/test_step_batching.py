@@ -262,7 +262,7 @@ async def test_short_sources_go_first_and_long_ones_keep_a_bounded_share_of_the_
     short work never runs out, get about WIDE_SHARE of the decoding time and end (the policy alone, on a
     simulated runtime; the model's own tests are around this one)."""
     live = SimulatedLive()
-    batcher = make_step_batcher(live, max_batch_size=16)
+    batcher = make_step_batcher(live, max_batch_size=16, short_first=True)
     batcher.start()
     long_ids = [7] * 200  # width class 256
     long_sources = [asyncio.create_task(batcher.submit([long_ids], timeout_s=60, options=(1, 1000)))
@@ -291,12 +291,30 @@ async def test_short_sources_go_first_and_long_ones_keep_a_bounded_share_of_the_
     assert WIDE_SHARE / 2 <= share <= 2 * WIDE_SHARE, share
 
 
+async def test_by_default_every_trip_steps_every_live_width_class():
+    """The throughput policy (short_first off): a short source shares every trip with the long ones, which are
+    not held back while short work keeps arriving."""
+    live = SimulatedLive()
+    batcher = make_step_batcher(live, max_batch_size=16)
+    assert not batcher.short_first
+    batcher.start()
+    long_ids = [7] * 200  # width class 256
+    long_source = asyncio.create_task(batcher.submit([long_ids], timeout_s=60, options=(1, 30)))
+    for i in range(5):
+        ids = [i] + [5] * 10  # width class 64
+        assert await batcher.submit([ids], timeout_s=60, options=(1, 40)) == [ids]
+    assert (await long_source) == [long_ids]
+    await batcher.close()
+    contended = [spent for _, spent, both_live in live.trips if both_live]
+    assert contended and all(spent.get(64, 0) > 0 and spent.get(256, 0) > 0 for spent in contended), contended
+
+
 async def test_a_short_source_arriving_while_long_ones_decode_is_answered_first_and_as_alone():
     _, tokenizer, runtime = translator("translate-transformer")
     long_texts, short_text = [LOAD_TEXTS["128"][0], LOAD_TEXTS["128"][1]], LOAD_TEXTS["32"][2]
     ids = [source_ids(tokenizer, t) for t in (*long_texts, short_text)]
     live = RecordingLive(runtime, step_delay_s=0.001)
-    batcher = make_step_batcher(live)
+    batcher = make_step_batcher(live, short_first=True)
     batcher.start()
     done: dict[str, float] = {}
 
@@ -491,6 +509,9 @@ def test_the_scheduling_setting_reads_step_or_request_from_the_environment(monke
 
     monkeypatch.setenv("LINFORMER_TRANSLATE_SCHEDULING", "request")
     assert Settings(_env_file=None).translate_scheduling == "request"
+    assert not Settings(_env_file=None).translate_step_short_first
+    monkeypatch.setenv("LINFORMER_TRANSLATE_STEP_SHORT_FIRST", "true")
+    assert Settings(_env_file=None).translate_step_short_first
     monkeypatch.setenv("LINFORMER_TRANSLATE_SCHEDULING", "continuous")
     with pytest.raises(ValueError):
         Settings(_env_file=None)
