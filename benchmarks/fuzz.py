@@ -61,6 +61,8 @@ def main() -> None:
     # schemathesis prints failures and errors in their own sections before the summary: keep those too
     first = min((output.find(h) for h in (" ERRORS ", " FAILURES ", "SUMMARY") if h in output), default=-1)
     summary = output[first:] if first >= 0 else output[-3000:]
+    # an internal error of schemathesis can print whole source files inside one line of its traceback
+    summary = "\n".join(line if len(line) <= 300 else line[:300] + " [...]" for line in summary.splitlines())
     rows = [{"status": status, "responses": count} for status, count in sorted(statuses.items())]
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "fuzz.csv", rows)
