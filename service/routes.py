@@ -325,6 +325,13 @@ async def translate(body: TranslateRequest, request: Request, state: State):
 # ---- operations ----
 
 
+@router.get("/", tags=["ops"], include_in_schema=False)
+async def index() -> dict:
+    """The bare address (where a browser goes first): what this server answers and where the API is described."""
+    paths = sorted({route.path for route in router.routes if getattr(route, "include_in_schema", False)})
+    return {"service": "linformer-serve", "docs": "/docs", "openapi": "/openapi.json", "routes": paths}
+
+
 @router.get("/healthz", tags=["ops"])
 async def healthz() -> dict:
     """The process is alive (it may still have no model: see /readyz)."""

@@ -122,6 +122,9 @@ async def test_translate_is_503_where_it_is_not_configured(client):
 
 async def test_ops_routes(client):
     assert (await client.get("/healthz")).status_code == 200
+    index = (await client.get("/")).json()  # the bare address points at the docs and lists the documented routes
+    assert index["docs"] == "/docs" and {"/classify", "/translate", "/readyz"} <= set(index["routes"])
+    assert "/" not in index["routes"] and "/metrics" not in index["routes"]
     ready = await client.get("/readyz")
     assert ready.status_code == 200 and ready.json()["models"] == ["classify-linformer"]
     models = (await client.get("/v1/models")).json()["models"]
