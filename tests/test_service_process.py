@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -297,7 +298,7 @@ def _status_of_answer(conn: socket.socket, timeout_s: float = 10) -> int:
     return int(head.split(b" ", 2)[1])
 
 
-def _until(condition, timeout_s: float = 5.0) -> None:
+def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
     """Poll `condition` (the server notices a closed connection on its own time, later under CI load)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
