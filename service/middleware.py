@@ -190,7 +190,7 @@ class RequestContextMiddleware:
         self.metrics = state.metrics
         settings = state.settings
         self.max_body_bytes = settings.max_body_bytes
-        self.request_timeout_s = settings.request_timeout_s  # also the longest a request waits for a slot
+        self.request_timeout_s = settings.request_timeout_s  # each request's deadline, from its arrival
         self.admission = {
             task: RouteAdmission(settings.max_concurrent_requests, settings.shed_concurrent_requests,
                                  settings.max_waiting_requests)
@@ -252,7 +252,7 @@ class RequestContextMiddleware:
                 # decided already if the header-parser callback saw the request (served under uvicorn), else now
                 decision = scope.get(ADMISSION_SCOPE_KEY) or self.admission[task].arrive()
                 if decision is Admission.WAIT:
-                    decision, receive_body = await self._wait_in_room(task, receive)
+                    decision, receive_body = await self._wait_in_room(task, receive, context["deadline"])
                 admitted = decision is Admission.ADMIT
             if decision is Admission.LEFT:  # nobody to answer: nothing read for the app, nothing computed
                 status = CLIENT_CLOSED_REQUEST
@@ -293,7 +293,7 @@ class RequestContextMiddleware:
                 request_id, scope["method"], path, status, elapsed * 1000, client[0],
             )
 
-    async def _wait_in_room(self, task: str, receive: Receive) -> tuple[Admission, Receive]:
+    async def _wait_in_room(self, task: str, receive: Receive, deadline: float) -> tuple[Admission, Receive]:
         """Wait for a slot on `task` while watching the connection: -> the outcome (ADMIT, REFUSE, EXPIRED or LEFT)
         and the `receive` the app reads the body from.
 
@@ -304,7 +304,7 @@ class RequestContextMiddleware:
         and the app answers 413 once admitted."""
         room = self.admission[task]
         kept: deque[Message] = deque()
-        waiting = asyncio.ensure_future(room.wait_for_slot(self.request_timeout_s))
+        waiting = asyncio.ensure_future(room.wait_for_slot(deadline - time.monotonic()))  # the request's one deadline
         watching = asyncio.ensure_future(self._read_until_client_leaves(receive, kept))
         try:
             await asyncio.wait((waiting, watching), return_when=asyncio.FIRST_COMPLETED)
