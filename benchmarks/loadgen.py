@@ -44,6 +44,16 @@ def post_request(path: str, body: bytes) -> bytes:
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
 
 
+def service_at(ref: str, into: Path) -> Path:
+    """A tree holding `service/` as it was at git `ref`, extracted under `into`: run with `python -m service` from
+    it (Server's `tree`), the service of an earlier commit is measured in the same run as this one."""
+    tree = into / f"service-at-{ref}"
+    tree.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "archive", ref, "service"], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
 def wait_until_ready(proc: subprocess.Popen, port: int, timeout_s: float = 60) -> None:
     """Poll /readyz of a server process just started until it answers 200; raise if it exits or times out."""
     import http.client

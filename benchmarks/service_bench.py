@@ -48,7 +48,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.loadgen import free_port, pin_to  # noqa: E402
+from benchmarks.loadgen import free_port, pin_to, service_at  # noqa: E402
 from loadtest.report import agg_subplots, save_figure, write_markdown  # noqa: E402
 from service.bundle import Bundle, load_bundle  # noqa: E402
 from service.runtime import CPU, make_session  # noqa: E402
@@ -529,11 +529,7 @@ def main() -> None:
     baselines = []
     for index, spec in enumerate(args.baseline):
         ref, *assignments = spec.split(",")
-        checkout = logs / f"baseline-{index}"
-        checkout.mkdir()
-        archive = subprocess.run(["git", "archive", ref, "service"], cwd=REPO, capture_output=True,
-                                 check=True).stdout  # fmt: skip
-        subprocess.run(["tar", "-x", "-C", str(checkout)], input=archive, check=True)
+        checkout = service_at(ref, logs / f"baseline-{index}")
         baselines.append((ref, checkout, dict(assignment.split("=", 1) for assignment in assignments)))
     results: dict[int, dict] = {}
     for tokens in args.tokens:

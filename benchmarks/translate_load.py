@@ -23,6 +23,9 @@ throughput counts the generated tokens (the reply's `tokens`) of the replies tha
     .venv/bin/python -m benchmarks.translate_load --deployments ours-request-fp32,ct2-fp32 --users 1,4,16 \
         --duration 30 [--out benchmarks/results/translate-load]
 
+A deployment of ours may name a git commit, `ours-request-fp32@9a9d932`: the service as it was there (its
+`service/`, loadgen.service_at) with today's models, measured in the same run as the others.
+
 This is also the step- vs request-level benchmark (benchmarks/stepbatch.py, which drove the same kind of load
 against our service alone, was folded into it): `--deployments ours-request-fp32,ours-step-fp32`, and
 `--bundle translate-linformer` for the Linformer translator (our deployments only: CTranslate2 has no low-rank
@@ -45,7 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.loadgen import Connection, Server, free_port, pin_to, post_request, wait_until_ready  # noqa: E402
+from benchmarks.loadgen import Connection, Server, free_port, pin_to, post_request, service_at, wait_until_ready  # noqa: E402
 from loadtest.report import (  # noqa: E402
     agg_subplots,
     header,
@@ -76,7 +79,8 @@ def start(deployment: str, models_dir: Path, log_dir: Path, fp32_bundle: str = B
     """Start one deployment pinned to SERVER_CORE; returns (port, stop())."""
     port = free_port()
     log = log_dir / f"server-{deployment}.log"
-    parts = deployment.split("-")
+    name, _, ref = deployment.partition("@")
+    parts = name.split("-")
     precision = parts[-1]
     bundle = fp32_bundle if precision == "fp32" else f"{fp32_bundle}-int8"
     if parts[0] == "ours":
@@ -84,7 +88,7 @@ def start(deployment: str, models_dir: Path, log_dir: Path, fp32_bundle: str = B
                "LINFORMER_CLASSIFY_MODEL": "", "LINFORMER_TRANSLATE_SCHEDULING": parts[1],
                "LINFORMER_ORT_INTRA_OP_THREADS": "1", "LINFORMER_ORT_INTER_OP_THREADS": "1",
                "LINFORMER_EXECUTION_PROVIDER": "cpu", "LINFORMER_LOG_LEVEL": "warning"}  # fmt: skip
-        server = Server(port, env, cores=SERVER_CORE, log=log)
+        server = Server(port, env, cores=SERVER_CORE, log=log, tree=service_at(ref, log_dir) if ref else REPO)
         return port, server.stop
     compute_type = {"fp32": "float32", "int8": "int8"}[precision]
     command = ["taskset", "-c", SERVER_CORE, sys.executable, "-m", "benchmarks.ctranslate2_server",

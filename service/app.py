@@ -26,8 +26,9 @@ from service.deps import ModelService, ServiceState
 from service.errors import install_error_handlers
 from service.metrics import Metrics
 from service.middleware import RequestContextMiddleware
-from service.routes import ClassifyEndpoint, classification_json, router
+from service.routes import TaskEndpoint, classification_json, classify_answer, router, translate_answer
 from service.runtime import ClassifierRuntime, TranslatorRuntime, choose_providers, make_session, probabilities
+from service.schemas import ClassifyRequest, TranslateRequest
 from service.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -132,14 +133,16 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
 class ServiceApp(FastAPI):
     """FastAPI with our request middleware outside the framework's own layers (error, telemetry, body-limit
     middleware), so that a request refused at admission costs a dict lookup, not a trip through all of them,
-    and POST /classify goes straight to its plain ASGI endpoint."""
+    and POST /classify and /translate go straight to their plain ASGI endpoints."""
 
     request_context: RequestContextMiddleware | None = None  # built with the stack, on the first request
 
     def build_middleware_stack(self) -> ASGIApp:
         state = self.state.service
+        endpoints = {"/classify": TaskEndpoint(state, ClassifyRequest, classify_answer),
+                     "/translate": TaskEndpoint(state, TranslateRequest, translate_answer)}
         self.request_context = RequestContextMiddleware(super().build_middleware_stack(), state=state,
-                                                        endpoints={"/classify": ClassifyEndpoint(state)})
+                                                        endpoints=endpoints)
         return self.request_context
 
     def openapi(self) -> dict[str, Any]:
