@@ -73,6 +73,7 @@ class Record:
     latency_s: float
     status: int  # 0: transport error
     tokens: int  # generated tokens in the reply
+    in_window: bool  # the reply arrived before the recorded window's end (it counts towards throughput)
 
 
 def start(deployment: str, models_dir: Path, log_dir: Path, fp32_bundle: str = BUNDLE):
@@ -138,17 +139,18 @@ def request_for(n: int, variant: int) -> bytes:
 
 
 async def closed_loop(
-    port: int, users: int, seconds: float, lengths: tuple[int, ...], warmup_s: float = 0.0
+    port: int, users: int, seconds: float, lengths: tuple[int, ...], warmup_s: float = 0.0, slice_index: int = 0
 ) -> list[Record]:
     """`users` closed-loop users for warmup_s + seconds; the requests sent in the last `seconds` are recorded (times
     from the start of that window). The users start together, so the first requests arrive as one burst; recording
     after a warm-up in the same loop measures the steady state, not that burst (which a load test with staggered
-    starts, such as Locust's spawn rate, does not have either)."""
+    starts, such as Locust's spawn rate, does not have either). `slice_index` picks another seeded sequence of
+    lengths (the same for every deployment)."""
     records: list[Record] = []
     started = time.perf_counter() + warmup_s  # the recorded window's start
 
     async def user(index: int) -> None:
-        rng = random.Random(index)  # the same request sequence for every deployment
+        rng = random.Random(index + 1_000_003 * slice_index)  # the same request sequence for every deployment
         conn, sent = await Connection.open(port), 0
         while (now := time.perf_counter() - started) < seconds:
             n = rng.choice(lengths)
@@ -160,7 +162,8 @@ async def closed_loop(
                 conn.close()
                 conn = await Connection.open(port)
             if now >= 0:
-                records.append(Record(n, now, time.perf_counter() - started - now, status, tokens))
+                latency = time.perf_counter() - started - now
+                records.append(Record(n, now, latency, status, tokens, now + latency <= seconds))
             sent += 1
         conn.close()
 
@@ -188,7 +191,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def summarise(deployment: str, users: int, seconds: float, records: list[Record], load: str) -> tuple[dict, list]:
     ok = [r for r in records if r.status == 200]
-    in_time = [r for r in ok if r.sent_s + r.latency_s <= seconds]
+    in_time = [r for r in ok if r.in_window]
     short = [1000 * r.latency_s for r in ok if r.n <= SHORT]
     generated = sum(r.tokens for r in in_time)
     row = {"deployment": deployment, "users": users, "seconds": seconds, "requests": len(records),
@@ -280,6 +283,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--users", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--duration", type=float, default=30, help="seconds of load per (deployment, users)")
     parser.add_argument("--warmup", type=float, default=3, help="seconds of unrecorded load before each run")
+    parser.add_argument("--slices", type=int, default=1,
+                        help="measure each point in this many turns of duration/slices s, the deployments taking turns "
+                             "(this VM's speed drifts by up to ~25 %% within minutes: finer turns share the drift)")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)), type=lambda s: tuple(map(int, s.split(","))))
     parser.add_argument("--models-dir", type=Path, default=REPO / "models")
     parser.add_argument("--bundle", default=BUNDLE, help="fp32 bundle; int8: <bundle>-int8 (ct2: vanilla only)")
@@ -297,15 +303,21 @@ def main(argv: list[str] | None = None) -> None:
             servers[deployment] = start(deployment, args.models_dir.resolve(), log_dir, args.bundle)
         pin_to(LOAD_CORE)
         rows, buckets = [], []
+        slice_s = args.duration / args.slices
         for u, users in enumerate(args.users):
-            turn = u % len(args.deployments)
-            for deployment in args.deployments[turn:] + args.deployments[:turn]:
-                port = servers[deployment][0]
-                warm_up(port, args.lengths)
-                load = load_average()
-                # the first --warmup seconds unrecorded: batch shapes only seen under load allocate on first use
-                records = asyncio.run(closed_loop(port, users, args.duration, args.lengths, args.warmup))
-                row, per_bucket = summarise(deployment, users, args.duration, records, load)
+            records: dict[str, list[Record]] = {deployment: [] for deployment in args.deployments}
+            loads = {}
+            for s in range(args.slices):
+                turn = (u + s) % len(args.deployments)
+                for deployment in args.deployments[turn:] + args.deployments[:turn]:
+                    port = servers[deployment][0]
+                    if s == 0:
+                        warm_up(port, args.lengths)
+                        loads[deployment] = load_average()
+                    # the first --warmup seconds unrecorded: batch shapes only seen under load allocate on first use
+                    records[deployment] += asyncio.run(closed_loop(port, users, slice_s, args.lengths, args.warmup, s))
+            for deployment in args.deployments:
+                row, per_bucket = summarise(deployment, users, args.duration, records[deployment], loads[deployment])
                 rows.append(row)
                 buckets += per_bucket
                 print(json.dumps(row), flush=True)
@@ -323,7 +335,10 @@ def main(argv: list[str] | None = None) -> None:
         f"Deployments: {', '.join(args.deployments)}; each its own server process pinned to core {SERVER_CORE} with "
         f"1 thread, the load on core {sorted(LOAD_CORE)[0]}; model `{args.bundle}` (int8: `{args.bundle}-int8` for "
         "ours, compute_type int8 for CTranslate2 on the fp32 weights); our service at its default batching limits.",
-        f"Load: closed loop, {args.duration:g} s per (deployment, users), users {args.users}; source lengths "
+        f"Load: closed loop, {args.duration:g} s per (deployment, users)"
+        + (f" in {args.slices} turns of {slice_s:g} s (the deployments taking turns, each turn after "
+           f"{args.warmup:g} s unrecorded)" if args.slices > 1 else "")
+        + f", users {args.users}; source lengths "
         f"{list(args.lengths)} tokens drawn uniformly per request (seeded per user: every deployment gets the same "
         "sequence), greedy, max_new_tokens = 2n + 8; one text per request. Short = at most "
         f"{SHORT} source tokens. Generated tokens/s counts replies that arrived within the duration.",

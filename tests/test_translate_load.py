@@ -5,10 +5,11 @@ from benchmarks.translate_load import Record, goals, summarise
 
 def test_throughput_counts_only_replies_within_the_run_and_short_means_at_most_32_tokens():
     records = [
-        Record(n=8, sent_s=0.0, latency_s=0.010, status=200, tokens=5),
-        Record(n=32, sent_s=1.0, latency_s=0.030, status=200, tokens=20),
-        Record(n=64, sent_s=1.5, latency_s=0.900, status=200, tokens=40),  # answered after the 2 s run
-        Record(n=16, sent_s=1.2, latency_s=0.005, status=503, tokens=0),
+        Record(n=8, sent_s=0.0, latency_s=0.010, status=200, tokens=5, in_window=True),
+        Record(n=32, sent_s=1.0, latency_s=0.030, status=200, tokens=20, in_window=True),
+        # answered after its recorded window (closed_loop marks it): a latency, but not throughput
+        Record(n=64, sent_s=1.5, latency_s=0.900, status=200, tokens=40, in_window=False),
+        Record(n=16, sent_s=1.2, latency_s=0.005, status=503, tokens=0, in_window=True),
     ]
     row, buckets = summarise("ours-request-fp32", 4, 2.0, records, "load")
     assert row["generated_tokens_per_s"] == (5 + 20) / 2.0

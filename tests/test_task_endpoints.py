@@ -1,9 +1,9 @@
-"""POST /classify is served by a plain ASGI endpoint in front of FastAPI; it must answer exactly as the documented
-FastAPI route does: the same results, the same status codes, the one error shape."""
+"""POST /classify and /translate are served by plain ASGI endpoints in front of FastAPI (TaskEndpoint); each must
+answer exactly as its documented FastAPI route does: the same results, the same status codes, the one error shape."""
 
 import httpx
 import pytest
-from conftest import make_settings, running_service
+from conftest import build_tiny_translate_bundle, make_settings, running_service
 
 pytestmark = pytest.mark.anyio
 
@@ -24,12 +24,33 @@ BODIES = {
     "JSON null": b"null",
     "empty body": b"",
 }
+TRANSLATE_BODIES = {
+    "beam search": b'{"texts": ["a bad movie", "the film"], "beam_size": 3, "max_new_tokens": 5}',
+    "over the decode budget": b'{"texts": ["a", "b"], "beam_size": 8}',
+    "beam too wide": b'{"text": "a", "beam_size": 9}',
+    "Infinity tokens": b'{"text": "a", "max_new_tokens": Infinity}',
+    "integral float": b'{"text": "a", "max_new_tokens": 4.0}',
+}
+CASES = [("/classify", name, body) for name, body in BODIES.items()] + [
+    ("/translate", name, body) for name, body in {**BODIES, **TRANSLATE_BODIES}.items()
+]
 
 
-@pytest.fixture
-async def clients(models_dir):
-    """(the server's path, FastAPI's own route) over one app: the second skips the request middleware."""
-    settings = make_settings(models_dir, translate_model="", max_texts_per_request=8)
+@pytest.fixture(scope="module")
+def translate_models_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("translate-models")
+    build_tiny_translate_bundle(root / "translate-linformer")
+    return root
+
+
+@pytest.fixture(params=["/classify", "/translate"])
+async def clients(request, models_dir, translate_models_dir):
+    """(route, the server's path, FastAPI's own route) over one app: the last skips the request middleware."""
+    if request.param == "/classify":
+        settings = make_settings(models_dir, translate_model="", max_texts_per_request=8)
+    else:  # a decode budget of 32 tokens: two texts at beam 8 (x 16, the tiny model's target length) go over it
+        settings = make_settings(translate_models_dir, classify_model="", max_texts_per_request=8,
+                                 max_decode_tokens_per_request=32)  # fmt: skip
     async with running_service(settings) as client:
         await client.get("/healthz")  # builds the middleware stack
         app = client._transport.app
@@ -41,15 +62,16 @@ async def clients(models_dir):
 
         transport = httpx.ASGITransport(app=without_request_middleware)
         async with httpx.AsyncClient(transport=transport, base_url="http://service") as direct:
-            yield client, direct
+            yield request.param, client, direct
 
 
-@pytest.mark.parametrize("body", BODIES.values(), ids=BODIES.keys())
+@pytest.mark.parametrize("clients, body", [(route, body) for route, _, body in CASES],
+                         ids=[f"{route} {name}" for route, name, _ in CASES], indirect=["clients"])  # fmt: skip
 async def test_the_endpoint_answers_as_the_fastapi_route(clients, body):
-    served, documented = clients
+    route, served, documented = clients
     headers = {"content-type": "application/json"}
-    ours = await served.post("/classify", content=body, headers=headers)
-    theirs = await documented.post("/classify", content=body, headers=headers)
+    ours = await served.post(route, content=body, headers=headers)
+    theirs = await documented.post(route, content=body, headers=headers)
     assert ours.status_code == theirs.status_code, (ours.text, theirs.text)
     if ours.status_code == 200:
         assert ours.json() == theirs.json()
@@ -62,20 +84,20 @@ async def test_the_endpoint_answers_as_the_fastapi_route(clients, body):
 
 
 async def test_a_body_that_is_not_json_is_refused_as_fastapi_does(clients):
-    served, documented = clients
+    route, served, documented = clients
     for client in (served, documented):
-        r = await client.post("/classify", content=b"the film", headers={"content-type": "text/plain"})
+        r = await client.post(route, content=b"the film", headers={"content-type": "text/plain"})
         assert r.status_code == 422
         assert r.json()["error"]["code"] == "invalid_request"
 
 
 async def test_the_endpoint_counts_its_requests_under_its_route(clients):
-    served, _ = clients
-    await served.post("/classify", json={"text": "the film"})
-    await served.post("/classify", json={"text": ""})
+    route, served, _ = clients
+    await served.post(route, json={"text": "the film"})
+    await served.post(route, json={"text": ""})
     metrics = (await served.get("/metrics")).text
-    assert 'linformer_requests_total{route="/classify",status="200"} 1.0' in metrics
-    assert 'linformer_requests_total{route="/classify",status="422"} 1.0' in metrics
+    assert f'linformer_requests_total{{route="{route}",status="200"}} 1.0' in metrics
+    assert f'linformer_requests_total{{route="{route}",status="422"}} 1.0' in metrics
 
 
 @pytest.mark.parametrize("rows", [[[0.25, 0.75]], [[1.0, 0.0], [1 / 3, 2 / 3]], [[float("nan"), 0.5]],
@@ -95,10 +117,16 @@ def test_a_batch_formats_each_result_as_json_dumps_would(rows):
 
 
 async def test_the_answer_is_the_json_of_the_response_model(clients):
-    """The JSON built as text parses into the documented response and matches the FastAPI route's."""
-    from service.schemas import ClassifyResponse
+    """The JSON built as text parses into the documented response."""
+    from service.schemas import ClassifyResponse, TranslateResponse
 
-    served, _ = clients
+    route, served, _ = clients
+    if route == "/translate":
+        answer = await served.post(route, json={"texts": ["a bad movie", "the film was great"], "max_new_tokens": 4})
+        response = TranslateResponse.model_validate_json(answer.content)
+        assert response.model == "translate-linformer"
+        assert [0 < t.tokens <= 4 for t in response.translations] == [True, True]
+        return
     answer = await served.post("/classify", json={"texts": ["a moving story", "the film " * 80], "truncate": True})
     response = ClassifyResponse.model_validate_json(answer.content)
     assert [r.truncated for r in response.results] == [False, True]
