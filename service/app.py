@@ -101,11 +101,11 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
         runner = wrap_runtime(runtime) if wrap_runtime else runtime
         if task == "translate":  # options = (beam_size, max_new_tokens): the batcher groups equal ones
 
-            def run_batch(input_ids, attention_mask, options, stop_if_abandoned, deliver, runner=runner):
-                return runner.run(input_ids, attention_mask, options, stop_if_abandoned, deliver)
+            def run_batch(input_ids, attention_mask, options, stop_if_abandoned, runner=runner):
+                return runner.run(input_ids, attention_mask, options, stop_if_abandoned)
         else:  # one ORT call: nothing to stop half-way; each row comes back as the JSON the route answers
 
-            def run_batch(input_ids, attention_mask, _options, _stop, _deliver, runner=runner, labels=bundle.labels):
+            def run_batch(input_ids, attention_mask, _options, _stop_if_abandoned, runner=runner, labels=bundle.labels):
                 return classification_json(probabilities(runner.run(input_ids, attention_mask)), labels)
 
         batching = dict(

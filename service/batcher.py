@@ -19,9 +19,7 @@ StepBatcher (at the end) keeps this request side but schedules a step-by-step ru
 (continuous batching): sources join and leave between steps instead of batches of whole requests.
 
 The batcher knows nothing about the task: `run_batch(input_ids, attention_mask, options,
-stop_if_abandoned, deliver)` returns one output per row. It may hand a row's output over before the batch ends,
-`deliver(row, output)`, and that row's request is answered at once: a translation whose sentence has ended does not
-wait for the longest one in its batch. Items are only batched with items of equal `options`
+stop_if_abandoned)` returns one output per row. Items are only batched with items of equal `options`
 (e.g. a translation request's beam size), so a translation runtime plugs in without changing this file.
 """
 
@@ -41,7 +39,7 @@ from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-RunBatch = Callable[[np.ndarray, np.ndarray, Hashable, Callable[[], None], Callable[[int, Any], None]], Sequence[Any]]
+RunBatch = Callable[[np.ndarray, np.ndarray, Hashable, Callable[[], None]], Sequence[Any]]
 
 
 class QueueFull(Exception):
@@ -64,11 +62,6 @@ class BatchFailed(Exception):
 
 class BatchAbandoned(Exception):
     """Raised by `stop_if_abandoned` inside the runtime: nobody waits for this batch any more."""
-
-
-def _answer(future: asyncio.Future, output: Any) -> None:
-    if not future.done():  # not cancelled (client gone) or failed (deadline) meanwhile
-        future.set_result(output)
 
 
 def _fail_unfinished(futures: list[asyncio.Future]) -> None:
@@ -293,21 +286,14 @@ class Batcher:
                 raise BatchAbandoned()
 
         loop = asyncio.get_running_loop()
-        delivered: set[int] = set()
-
-        def deliver(row: int, output: Any) -> None:  # called from the compute thread: this row's answer is final
-            delivered.add(row)
-            loop.call_soon_threadsafe(_answer, batch[row].future, output)
-
         try:
             outputs = await loop.run_in_executor(
-                self._executor, self._pad_and_run, [item.ids for item in batch], batch[0].options, stop_if_abandoned,
-                deliver,
-            )  # fmt: skip
+                self._executor, self._pad_and_run, [item.ids for item in batch], batch[0].options, stop_if_abandoned
+            )
         except BatchAbandoned:
             log.info("model=%s batch of %d stopped: all its requests are gone or past their deadline",
                      self.name, len(batch))  # fmt: skip
-            self._count_dropped("abandoned", len(batch) - len(delivered))
+            self._count_dropped("abandoned", len(batch))
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(DeadlineExceeded())
@@ -323,15 +309,15 @@ class Batcher:
             rate = sum(item.cost for item in batch) / elapsed
             self._cost_per_s = rate if self._cost_per_s == 0 else 0.8 * self._cost_per_s + 0.2 * rate
         for item, output in zip(batch, outputs, strict=True):
-            _answer(item.future, output)
+            if not item.future.done():
+                item.future.set_result(output)
 
     def _pad_and_run(
-        self, sequences: list[list[int]], options: Hashable, stop_if_abandoned: Callable[[], None],
-        deliver: Callable[[int, Any], None],
+        self, sequences: list[list[int]], options: Hashable, stop_if_abandoned: Callable[[], None]
     ) -> Sequence[Any]:
         input_ids, attention_mask = pad(sequences, self.pad_id)
         started = time.perf_counter()
-        outputs = self.run_batch(input_ids, attention_mask, options, stop_if_abandoned, deliver)
+        outputs = self.run_batch(input_ids, attention_mask, options, stop_if_abandoned)
         if self.metrics:
             self.metrics.observe_batch(
                 self.name,

@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     # How /translate schedules decoding (policy in service/batcher.py). "step": continuous batching, new
     # sources join the decode loop between decoder steps and finished ones answer at once; "request": a batch
     # of whole requests decodes until its last sentence ends while later arrivals wait (the behaviour before
-    # step-level batching), each sentence answered as soon as it ends. "request" stays the default: on the 2-core VM step scheduling cut short requests' p99
+    # step-level batching). "request" stays the default: on the 2-core VM step scheduling cut short requests' p99
     # at 4 and 16 users but got 0.88x of request-level throughput at 16 (benchmarks/results/translate-load-stepthru.md).
     translate_scheduling: Literal["step", "request"] = "request"
     # Step scheduling only: short sources first (trips serve the narrowest width class alone, the wider ones keep a

@@ -137,14 +137,12 @@ def _length_penalty(length: int, alpha: float) -> float:
 class TranslatorRuntime:
     """encoder.onnx once per source, then decoder.onnx (the step form, export/step_decoder.py) one token at a time.
 
-    `run(input_ids, attention_mask, (beam_size, max_new_tokens), between_steps, on_finished)` -> one list of target
-    token ids per row (no BOS/EOS): a batch of whole requests decoded until its last sentence ends. `between_steps`
+    `run(input_ids, attention_mask, (beam_size, max_new_tokens), between_steps)` -> one list of target token
+    ids per row (no BOS/EOS): a batch of whole requests decoded until its last sentence ends. `between_steps`
     is called before each decoder step; it raises to stop the batch (the batcher's does when nobody waits for
-    the answers any more). `on_finished(row, tokens)` is called as each row's search ends, so its answer can leave
-    before the batch's longest sentence is done. `live()` gives the step-level form of the same decoding: a
-    `LiveDecode` that sources join and leave between steps (service/batcher.py's StepBatcher decides who and
-    when). The searches are the same as training/decode.py (greedy; beam search with GNMT length penalty,
-    fairseq's finishing rule).
+    the answers any more). `live()` gives the step-level form of the same decoding: a `LiveDecode` that sources
+    join and leave between steps (service/batcher.py's StepBatcher decides who and when). The searches are the
+    same as training/decode.py (greedy; beam search with GNMT length penalty, fairseq's finishing rule).
     """
 
     def __init__(
@@ -184,7 +182,7 @@ class TranslatorRuntime:
 
     def run(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, options,
-        between_steps: Callable[[], None] | None = None, on_finished: Callable[[int, list[int]], None] | None = None,
+        between_steps: Callable[[], None] | None = None,
     ) -> list[list[int]]:
         between_steps = between_steps or (lambda: None)
         live = LiveDecode(self)
@@ -198,9 +196,6 @@ class TranslatorRuntime:
                 for error in failed.values():
                     raise error
                 outputs.update(finished)
-                if on_finished is not None:
-                    for row, tokens in finished.items():
-                        on_finished(row, tokens)
             return [outputs[row] for row in range(len(input_ids))]
         finally:  # an abandoned or failed batch's rows leave too, and LiveDecode trims after big buffers
             live.drop(sources)

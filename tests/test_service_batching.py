@@ -3,7 +3,6 @@
 import asyncio
 import json
 import re
-import threading
 import time
 
 import numpy as np
@@ -165,7 +164,7 @@ class RecordingRuntime:
         self.delay_s = delay_s
         self.batches: list[list[int]] = []  # real lengths per batch
 
-    def __call__(self, input_ids, attention_mask, options, stop_if_abandoned, deliver):
+    def __call__(self, input_ids, attention_mask, options, stop_if_abandoned):
         time.sleep(self.delay_s)
         lengths = attention_mask.sum(axis=1).tolist()
         self.batches.append(lengths)
@@ -288,39 +287,14 @@ def test_padding_leaves_real_tokens_first():
     batcher = make_batcher(runtime, pad_id=9)
     captured = {}
 
-    def capture(input_ids, attention_mask, options, stop_if_abandoned, deliver):
+    def capture(input_ids, attention_mask, options, stop_if_abandoned):
         captured["ids"], captured["mask"] = input_ids, attention_mask
         return [None] * len(input_ids)
 
     batcher.run_batch = capture
-    batcher._pad_and_run([[1, 2, 3], [4]], None, lambda: None, lambda row, output: None)
+    batcher._pad_and_run([[1, 2, 3], [4]], None, lambda: None)
     np.testing.assert_array_equal(captured["ids"], [[1, 2, 3], [4, 9, 9]])
     np.testing.assert_array_equal(captured["mask"], [[1, 1, 1], [1, 0, 0]])
-
-
-async def test_a_row_delivered_early_is_answered_before_its_batch_ends():
-    """A translation batch decodes until its longest sentence ends; a row whose sentence ended is delivered at once
-    (runtime.run's on_finished), and its request is answered then, not when the batch returns."""
-    release = threading.Event()
-
-    def runtime(input_ids, attention_mask, options, stop_if_abandoned, deliver):
-        deliver(0, "short, done")  # row 0 ended; row 1 decodes on until released
-        assert release.wait(10)
-        return ["short, done", "long, done"]
-
-    batcher = make_batcher(runtime)
-    short = asyncio.create_task(batcher.submit([[1, 2]], timeout_s=10))
-    long = asyncio.create_task(batcher.submit([[1, 2, 3, 4]], timeout_s=10))
-    await asyncio.sleep(0)  # both queued before the worker starts: one batch
-    batcher.start()
-    try:
-        assert await asyncio.wait_for(short, 5) == ["short, done"]
-        assert not long.done()  # its batch, the same one, is still decoding
-        release.set()
-        assert await asyncio.wait_for(long, 5) == ["long, done"]
-    finally:
-        release.set()
-        await batcher.close()
 
 
 # ---- the disconnect watch (service/routes.py), with receive callables of each shape it may meet ----

@@ -472,7 +472,7 @@ async def test_translate_queue_is_bounded_by_decode_tokens_not_requests(translat
     async with app.router.lifespan_context(app):
         assert app.state.service.models["translate"].batcher.max_queue == 40
 
-    def never_done(input_ids, attention_mask, options, stop_if_abandoned, deliver):
+    def never_done(input_ids, attention_mask, options, stop_if_abandoned):
         time.sleep(0.3)
         return [[]] * len(input_ids)
 
@@ -496,7 +496,7 @@ async def test_a_translation_batch_nobody_waits_for_stops_decoding():
 
     steps = []
 
-    def step_by_step(input_ids, attention_mask, options, stop_if_abandoned, deliver):
+    def step_by_step(input_ids, attention_mask, options, stop_if_abandoned):
         for step in range(200):
             stop_if_abandoned()
             steps.append(step)
@@ -530,12 +530,12 @@ async def test_the_translator_asks_between_every_decoder_step(translate_root):
         runtime.decoder = CountingDecoder()
 
         class Hooked:
-            def run(self, input_ids, attention_mask, options, between_steps, on_finished=None):
+            def run(self, input_ids, attention_mask, options, between_steps):
                 def counted():
                     calls["hook"] += 1
                     between_steps()
 
-                return runtime.run(input_ids, attention_mask, options, counted, on_finished)
+                return runtime.run(input_ids, attention_mask, options, counted)
 
         return Hooked()
 

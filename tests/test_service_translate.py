@@ -33,9 +33,9 @@ class CountingRuntime:
         self.runtime = runtime
         self.batches: list[tuple[int, object]] = []
 
-    def run(self, input_ids, attention_mask, options, between_steps=None, on_finished=None):
+    def run(self, input_ids, attention_mask, options, between_steps=None):
         self.batches.append((len(input_ids), options))
-        return self.runtime.run(input_ids, attention_mask, options, between_steps, on_finished)
+        return self.runtime.run(input_ids, attention_mask, options, between_steps)
 
 
 @pytest.fixture
