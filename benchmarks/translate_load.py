@@ -131,15 +131,18 @@ async def exchange(conn: Connection, request: bytes) -> tuple[int, dict]:
     return int(status_line.split()[1]), json.loads(body) if body else {}
 
 
-def request_for(n: int, variant: int) -> bytes:
+def request_for(n: int, variant: int, max_new_tokens: int | None = None) -> bytes:
+    """`max_new_tokens`: None for the Locust file's 2n + 8 (requests of different lengths are then never batched
+    together: their options differ), a number to send that for every length (the API's default is 256)."""
     texts = texts_of_length("translate", n)
     body = {"texts": [texts[variant % len(texts)]], "truncate": True, "beam_size": 1,
-            "max_new_tokens": translate_max_new_tokens(n)}  # fmt: skip
+            "max_new_tokens": max_new_tokens or translate_max_new_tokens(n)}  # fmt: skip
     return post_request("/translate", json.dumps(body).encode())
 
 
 async def closed_loop(
-    port: int, users: int, seconds: float, lengths: tuple[int, ...], warmup_s: float = 0.0, slice_index: int = 0
+    port: int, users: int, seconds: float, lengths: tuple[int, ...], warmup_s: float = 0.0, slice_index: int = 0,
+    max_new_tokens: int | None = None,
 ) -> list[Record]:
     """`users` closed-loop users for warmup_s + seconds; the requests sent in the last `seconds` are recorded (times
     from the start of that window). The users start together, so the first requests arrive as one burst; recording
@@ -155,7 +158,7 @@ async def closed_loop(
         while (now := time.perf_counter() - started) < seconds:
             n = rng.choice(lengths)
             try:
-                status, body = await exchange(conn, request_for(n, sent))
+                status, body = await exchange(conn, request_for(n, sent, max_new_tokens))
                 tokens = body["translations"][0]["tokens"] if status == 200 else 0
             except (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError, KeyError):
                 status, tokens = 0, 0
@@ -283,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--users", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--duration", type=float, default=30, help="seconds of load per (deployment, users)")
     parser.add_argument("--warmup", type=float, default=3, help="seconds of unrecorded load before each run")
+    parser.add_argument("--max-new-tokens", type=int, help="the same for every length (default: 2n + 8 per length)")
     parser.add_argument("--slices", type=int, default=1,
                         help="measure each point in this many turns of duration/slices s, the deployments taking turns "
                              "(this VM's speed drifts by up to ~25 %% within minutes: finer turns share the drift)")
@@ -315,7 +319,8 @@ def main(argv: list[str] | None = None) -> None:
                         warm_up(port, args.lengths)
                         loads[deployment] = load_average()
                     # the first --warmup seconds unrecorded: batch shapes only seen under load allocate on first use
-                    records[deployment] += asyncio.run(closed_loop(port, users, slice_s, args.lengths, args.warmup, s))
+                    records[deployment] += asyncio.run(closed_loop(port, users, slice_s, args.lengths, args.warmup, s,
+                                                                   args.max_new_tokens))  # fmt: skip
             for deployment in args.deployments:
                 row, per_bucket = summarise(deployment, users, args.duration, records[deployment], loads[deployment])
                 rows.append(row)
@@ -340,7 +345,9 @@ def main(argv: list[str] | None = None) -> None:
            f"{args.warmup:g} s unrecorded)" if args.slices > 1 else "")
         + f", users {args.users}; source lengths "
         f"{list(args.lengths)} tokens drawn uniformly per request (seeded per user: every deployment gets the same "
-        "sequence), greedy, max_new_tokens = 2n + 8; one text per request. Short = at most "
+        "sequence), greedy, max_new_tokens = "
+        + (f"{args.max_new_tokens} for every length" if args.max_new_tokens else "2n + 8")
+        + "; one text per request. Short = at most "
         f"{SHORT} source tokens. Generated tokens/s counts replies that arrived within the duration.",
         "",
         "## Goals (issue #17), from this run",
