@@ -48,7 +48,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.loadgen import Connection, Server, free_port, pin_to, post_request, service_at, wait_until_ready  # noqa: E402
+from benchmarks.loadgen import (  # noqa: E402
+    Connection,
+    Server,
+    free_port,
+    pin_to,
+    post_request,
+    service_at,
+    wait_until_ready,
+)
 from loadtest.report import (  # noqa: E402
     agg_subplots,
     header,

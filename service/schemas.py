@@ -35,7 +35,7 @@ def _integral_float_as_int(value: object) -> object:
 Count = Annotated[int, BeforeValidator(_integral_float_as_int)]
 
 
-class _Request(BaseModel):
+class TaskRequest(BaseModel):
     # exactly one of `text` and `texts`, stated in the schema too (neither is nullable: absent means unused)
     model_config = ConfigDict(
         extra="forbid", strict=True,
@@ -57,7 +57,7 @@ class _Request(BaseModel):
         return [self.text] if self.text is not None else list(self.texts)
 
 
-class ClassifyRequest(_Request):
+class ClassifyRequest(TaskRequest):
     model_config = ConfigDict(
         json_schema_extra={
             "oneOf": [{"required": ["text"]}, {"required": ["texts"]}],
@@ -79,7 +79,7 @@ class ClassifyResponse(BaseModel):
     results: list[ClassifyResult]
 
 
-class TranslateRequest(_Request):
+class TranslateRequest(TaskRequest):
     beam_size: Count = Field(1, ge=1, le=8)
     max_new_tokens: Count = Field(
         256, ge=1, le=4096,
