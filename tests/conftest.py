@@ -70,6 +70,14 @@ def models_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def translate_models_dir(tmp_path_factory) -> Path:
+    """A models/ directory holding one translation bundle, `translate-linformer` (read-only for tests)."""
+    root = tmp_path_factory.mktemp("translate-models")
+    build_tiny_translate_bundle(root / "translate-linformer")
+    return root
+
+
 @pytest.fixture
 def anyio_backend():
     return "asyncio"

@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from conftest import SlowRuntime, build_tiny_translate_bundle, make_settings, running_service
+from conftest import SlowRuntime, make_settings, running_service
 
 pytestmark = pytest.mark.anyio
 
@@ -18,13 +18,6 @@ async def client(models_dir):
     settings = make_settings(models_dir, translate_model="", max_texts_per_request=8, max_body_bytes=64 * 1024)
     async with running_service(settings) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def translate_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("translate-reliability")
-    build_tiny_translate_bundle(root / "translate-linformer")
-    return root
 
 
 def assert_error_shape(r, status: int, code: str | None = None) -> dict:
@@ -449,8 +442,8 @@ async def _asgi_post_without_body(app) -> tuple[int, dict, bytes]:
 # ---- bounded work per /translate request ----
 
 
-async def test_translate_over_the_decode_budget_is_413_naming_the_limit(translate_root):
-    settings = make_settings(translate_root, classify_model="", max_decode_tokens_per_request=64)
+async def test_translate_over_the_decode_budget_is_413_naming_the_limit(translate_models_dir):
+    settings = make_settings(translate_models_dir, classify_model="", max_decode_tokens_per_request=64)
     async with running_service(settings) as client:
         # tiny bundle: tgt_n_max = 16, so max_new_tokens is worth at most 16 per beam
         r = await client.post("/translate", json={"texts": ["the film", "bad"], "beam_size": 4, "max_new_tokens": 9})
@@ -463,11 +456,11 @@ async def test_translate_over_the_decode_budget_is_413_naming_the_limit(translat
         assert capped.status_code == 200  # 4096 is capped at the model's 16 target tokens: 4 x 16 = 64
 
 
-async def test_translate_queue_is_bounded_by_decode_tokens_not_requests(translate_root):
+async def test_translate_queue_is_bounded_by_decode_tokens_not_requests(translate_models_dir):
     from service.app import create_app
     from service.batcher import Batcher, QueueFull
 
-    app = create_app(make_settings(translate_root, classify_model="", max_queued_decode_tokens=40,
+    app = create_app(make_settings(translate_models_dir, classify_model="", max_queued_decode_tokens=40,
                                    max_decode_tokens_per_request=40))
     async with app.router.lifespan_context(app):
         assert app.state.service.models["translate"].batcher.max_queue == 40
@@ -512,7 +505,7 @@ async def test_a_translation_batch_nobody_waits_for_stops_decoding():
     assert 5 < len(steps) < 60  # stopped near 0.1 s, far from the 200 steps (1 s) asked for
 
 
-async def test_the_translator_asks_between_every_decoder_step(translate_root):
+async def test_the_translator_asks_between_every_decoder_step(translate_models_dir):
     """The real runtime calls the batcher's hook before each decoder call, so stopping takes one step at most."""
     calls = {"hook": 0, "decoder": 0}
 
@@ -539,7 +532,7 @@ async def test_the_translator_asks_between_every_decoder_step(translate_root):
 
         return Hooked()
 
-    settings = make_settings(translate_root, classify_model="", translate_scheduling="request")  # whole batches
+    settings = make_settings(translate_models_dir, classify_model="", translate_scheduling="request")  # whole batches
     async with running_service(settings, wrap_runtime=wrap) as client:
         for beam in (1, 3):
             r = await client.post("/translate", json={"texts": ["the film", "a bad movie"], "beam_size": beam})
@@ -568,8 +561,8 @@ async def test_the_schema_states_what_the_server_enforces(client):
     assert (await client.post("/classify", json={"text": None, "texts": ["a"]})).status_code == 422  # not nullable
 
 
-async def test_an_integral_float_is_an_integer_as_in_json_schema(translate_root):
-    async with running_service(make_settings(translate_root, classify_model="")) as client:
+async def test_an_integral_float_is_an_integer_as_in_json_schema(translate_models_dir):
+    async with running_service(make_settings(translate_models_dir, classify_model="")) as client:
         assert (await client.post("/translate", json={"text": "the film", "beam_size": 2.0})).status_code == 200
         for bad in (2.5, "2", float("inf")):
             r = await client.post("/translate", content=json.dumps({"text": "a", "beam_size": bad}), headers=JSON)

@@ -3,7 +3,7 @@ answer exactly as its documented FastAPI route does: the same results, the same 
 
 import httpx
 import pytest
-from conftest import build_tiny_translate_bundle, make_settings, running_service
+from conftest import make_settings, running_service
 
 pytestmark = pytest.mark.anyio
 
@@ -34,13 +34,6 @@ TRANSLATE_BODIES = {
 CASES = [("/classify", name, body) for name, body in BODIES.items()] + [
     ("/translate", name, body) for name, body in {**BODIES, **TRANSLATE_BODIES}.items()
 ]
-
-
-@pytest.fixture(scope="module")
-def translate_models_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("translate-models")
-    build_tiny_translate_bundle(root / "translate-linformer")
-    return root
 
 
 @pytest.fixture(params=["/classify", "/translate"])
