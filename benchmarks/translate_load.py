@@ -24,7 +24,8 @@ throughput counts the generated tokens (the reply's `tokens`) of the replies tha
         --duration 30 [--out benchmarks/results/translate-load]
 
 A deployment of ours may name a git commit, `ours-request-fp32@9a9d932`: the service as it was there (its
-`service/`, loadgen.service_at) with today's models, measured in the same run as the others.
+`service/`, loadgen.service_at) with today's models, measured in the same run as the others; and settings of
+its own, `ours-request-fp32+translate_cut_in_ratio=0` (LINFORMER_TRANSLATE_CUT_IN_RATIO=0 for that server).
 
 This is also the step- vs request-level benchmark (benchmarks/stepbatch.py, which drove the same kind of load
 against our service alone, was folded into it): `--deployments ours-request-fp32,ours-step-fp32`, and
@@ -88,6 +89,8 @@ def start(deployment: str, models_dir: Path, log_dir: Path, fp32_bundle: str = B
     """Start one deployment pinned to SERVER_CORE; returns (port, stop())."""
     port = free_port()
     log = log_dir / f"server-{deployment}.log"
+    deployment, *overrides = deployment.split("+")
+    settings = {f"LINFORMER_{key.upper()}": value for key, _, value in (o.partition("=") for o in overrides)}
     name, _, ref = deployment.partition("@")
     parts = name.split("-")
     precision = parts[-1]
@@ -96,9 +99,11 @@ def start(deployment: str, models_dir: Path, log_dir: Path, fp32_bundle: str = B
         env = {"LINFORMER_MODELS_DIR": str(models_dir), "LINFORMER_TRANSLATE_MODEL": bundle,
                "LINFORMER_CLASSIFY_MODEL": "", "LINFORMER_TRANSLATE_SCHEDULING": parts[1],
                "LINFORMER_ORT_INTRA_OP_THREADS": "1", "LINFORMER_ORT_INTER_OP_THREADS": "1",
-               "LINFORMER_EXECUTION_PROVIDER": "cpu", "LINFORMER_LOG_LEVEL": "warning"}  # fmt: skip
+               "LINFORMER_EXECUTION_PROVIDER": "cpu", "LINFORMER_LOG_LEVEL": "warning", **settings}  # fmt: skip
         server = Server(port, env, cores=SERVER_CORE, log=log, tree=service_at(ref, log_dir) if ref else REPO)
         return port, server.stop
+    if settings:
+        raise SystemExit(f"{deployment}: settings (+name=value) are for our service's deployments only")
     compute_type = {"fp32": "float32", "int8": "int8"}[precision]
     command = ["taskset", "-c", SERVER_CORE, sys.executable, "-m", "benchmarks.ctranslate2_server",
                "--bundle", str(models_dir / fp32_bundle), "--compute-type", compute_type, "--threads", "1",
