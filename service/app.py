@@ -122,7 +122,8 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
         if task == "translate" and settings.translate_scheduling == "step":  # sources join and leave between steps
             batcher = StepBatcher(runner.live(), short_first=settings.translate_step_short_first, **batching)
         else:
-            batcher = Batcher(run_batch, **batching)
+            cut_in_ratio = settings.translate_cut_in_ratio if task == "translate" else 0
+            batcher = Batcher(run_batch, cut_in_ratio=cut_in_ratio, **batching)
         state.models[task] = ModelService(bundle, tokenizer, batcher, execution_provider=runtime.provider)
         log.info(
             "serving %s: task=%s attention=%s n_max=%d k=%s from %s on %s",

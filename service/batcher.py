@@ -15,12 +15,18 @@ follows the work asked for rather than the request count; Retry-After is the que
 recent throughput in cost per second. A runtime error fails only its batch's requests (BatchFailed).
 The runtime call runs in a worker thread, off the event loop.
 
+Cut-ins (`cut_in_ratio`, translation): while a batch decodes step by step, a queued batch whose longest text is
+at most 1/`cut_in_ratio` of the decoding batch's longest may run whole between two of its steps, on the same
+thread, so that a short request does not wait for a long batch to end; the long batch goes on where it stopped.
+One cut-in at a time, and cut-ins take at most CUT_IN_SHARE of the time since the long batch began.
+
 StepBatcher (at the end) keeps this request side but schedules a step-by-step runtime at every decoder step
 (continuous batching): sources join and leave between steps instead of batches of whole requests.
 
 The batcher knows nothing about the task: `run_batch(input_ids, attention_mask, options,
 stop_if_abandoned)` returns one output per row. Items are only batched with items of equal `options`
-(e.g. a translation request's beam size), so a translation runtime plugs in without changing this file.
+(e.g. a translation request's beam size), so a translation runtime plugs in without changing this file; a
+cut-in's rows may differ (they are all short), and its runtime gets a list of options, one per row.
 """
 
 import asyncio
@@ -28,6 +34,7 @@ import bisect
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +47,9 @@ from service.metrics import Metrics
 log = logging.getLogger(__name__)
 
 RunBatch = Callable[[np.ndarray, np.ndarray, Hashable, Callable[[], None]], Sequence[Any]]
+
+# cut-ins may take at most this share of the time since the batch they cut into began: the long batch keeps half
+CUT_IN_SHARE = 0.5
 
 
 class QueueFull(Exception):
@@ -95,6 +105,25 @@ class _Item:
         self.length = len(self.ids)
 
 
+@dataclass(slots=True)
+class _Decoding:
+    """The batch computing now, as far as cut-ins are concerned (event loop side)."""
+
+    longest: int
+    started: float  # time.monotonic()
+    hosted_s: float = 0.0  # time its cut-ins took so far
+    look_again: asyncio.TimerHandle | None = None  # when their share is used up: when it will not be
+
+
+def _stop_if_abandoned(batch: list[_Item]) -> Callable[[], None]:
+    def stop_if_abandoned() -> None:  # called from the compute thread; reads only futures' done flags
+        now = time.monotonic()
+        if all(item.future.done() or item.deadline <= now for item in batch):
+            raise BatchAbandoned()
+
+    return stop_if_abandoned
+
+
 class Batcher:
     def __init__(
         self,
@@ -108,10 +137,12 @@ class Batcher:
         max_queue: int,
         metrics: Metrics | None = None,
         max_batch_size_by_length: Mapping[int, int] | None = None,
+        cut_in_ratio: int = 0,
     ):
         """`max_queue` bounds the summed `cost` of the items waiting (texts, when every cost is 1).
         `max_batch_size_by_length` (measured length -> batch size, from the bundle's calibration) caps a batch
-        further by its padded length, taken to the next measured length up (beyond the longest, its cap)."""
+        further by its padded length, taken to the next measured length up (beyond the longest, its cap).
+        `cut_in_ratio` (0: none): how much shorter a queued batch must be to cut in (module docstring)."""
         self.run_batch = run_batch
         self.name = name
         self.pad_id = pad_id
@@ -133,6 +164,13 @@ class Batcher:
         self._cost_per_s = 0.0  # moving average of cost computed per second of compute, for Retry-After
         self._depth_gauge = metrics.child(metrics.queue_depth, name) if metrics else None
         self._queue_wait = metrics.child(metrics.queue_wait, name) if metrics else None
+        self.cut_in_ratio = cut_in_ratio
+        self._decoding: _Decoding | None = None  # set while a batch that cut-ins may join computes
+        self._cut_in: list[_Item] | None = None  # the cut-in handed over and not yet answered
+        # the hand-over: the event loop appends (one batch at most), the compute thread takes it between two steps;
+        # what the compute thread did not take when its batch ended, the worker computes next
+        self._handover: deque[list[_Item]] = deque()
+        self._hosted_s = 0.0  # compute thread only: time spent in cut-ins, so a batch's own time leaves them out
 
     # ---- request side (event loop) ----
 
@@ -176,6 +214,8 @@ class Batcher:
         if self._depth_gauge is not None:
             self._depth_gauge.set(len(self._queue))
         self._wakeup.set()
+        if self._decoding is not None:
+            self._offer_cut_in()
         futures = [item.future for item in items]
         # one timer fails whatever is unfinished at the deadline; the texts' futures are then awaited in order
         # (asyncio.wait instead cost a waiter, a set and a callback per future, 2-3x this, per request)
@@ -199,6 +239,10 @@ class Batcher:
 
     async def _work(self) -> None:
         while True:
+            if self._handover:  # handed over after the decoding batch's last step: it runs now, on its own
+                self._cut_in = None
+                await self._compute(self._handover.popleft())
+                continue
             self._drop_finished()
             if not self._queue:
                 if self._closing:
@@ -249,10 +293,12 @@ class Batcher:
             self._queue = live
             self._set_depth()
 
-    def _plan_batch(self) -> tuple[list[_Item], bool]:
-        """The oldest item plus those closest to it in length that fit; `full` if nothing more could join."""
-        oldest = self._queue[0]
-        candidates = [item for item in self._queue[1:] if item.options == oldest.options]
+    def _plan_batch(self, queued: list[_Item] | None = None, any_options: bool = False) -> tuple[list[_Item], bool]:
+        """The oldest item plus those closest to it in length that fit; `full` if nothing more could join.
+        `queued`: the queued items to choose from (default: all); `any_options`: not only those with its options."""
+        queued = self._queue if queued is None else queued
+        oldest = queued[0]
+        candidates = [item for item in queued[1:] if any_options or item.options == oldest.options]
         # closest in length first, older first among equals: less padding, no starvation of the oldest
         candidates.sort(key=lambda item: abs(item.length - oldest.length))
         batch, longest, full = [oldest], oldest.length, False
@@ -278,45 +324,101 @@ class Batcher:
         return limit
 
     async def _compute(self, batch: list[_Item]) -> None:
-        started = time.monotonic()
-
-        def stop_if_abandoned() -> None:  # called from the compute thread; reads only futures' done flags
-            now = time.monotonic()
-            if all(item.future.done() or item.deadline <= now for item in batch):
-                raise BatchAbandoned()
-
         loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        stop_if_abandoned = between_steps = _stop_if_abandoned(batch)
+        if self.cut_in_ratio:
+            self._decoding = _Decoding(max(item.length for item in batch), started)
+
+            def between_steps() -> None:  # compute thread: a cut-in handed over runs here, whole
+                stop_if_abandoned()
+                if self._handover:
+                    self._run_cut_in(self._handover.popleft(), loop)
+
+            self._offer_cut_in()
         try:
-            outputs = await loop.run_in_executor(
-                self._executor, self._pad_and_run, [item.ids for item in batch], batch[0].options, stop_if_abandoned
+            outcome = await loop.run_in_executor(
+                self._executor, self._pad_and_run, [item.ids for item in batch], batch[0].options, between_steps
             )
-        except BatchAbandoned:
+        except Exception as error:
+            outcome = error
+        hosted_s = 0.0
+        if self._decoding is not None:
+            if self._decoding.look_again is not None:
+                self._decoding.look_again.cancel()
+            hosted_s, self._decoding = self._decoding.hosted_s, None
+        self._answer_batch(batch, outcome, time.monotonic() - started - hosted_s)
+
+    def _answer_batch(self, batch: list[_Item], outcome: Sequence[Any] | Exception, seconds: float) -> None:
+        """Event loop: a computed batch's outputs (or what stopped it) to its futures; `seconds` its own compute."""
+        if isinstance(outcome, BatchAbandoned):
             log.info("model=%s batch of %d stopped: all its requests are gone or past their deadline",
                      self.name, len(batch))  # fmt: skip
             self._count_dropped("abandoned", len(batch))
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(DeadlineExceeded())
+            _fail_unfinished([item.future for item in batch])
             return
-        except Exception:  # a runtime failure fails this batch's requests, not the server
-            log.exception("model=%s batch of %d failed", self.name, len(batch))
+        if isinstance(outcome, Exception):  # a runtime failure fails this batch's requests, not the server
+            log.error("model=%s batch of %d failed", self.name, len(batch), exc_info=outcome)
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(BatchFailed())
             return
-        elapsed = time.monotonic() - started
-        if elapsed > 0:
-            rate = sum(item.cost for item in batch) / elapsed
+        if seconds > 0:
+            rate = sum(item.cost for item in batch) / seconds
             self._cost_per_s = rate if self._cost_per_s == 0 else 0.8 * self._cost_per_s + 0.2 * rate
-        for item, output in zip(batch, outputs, strict=True):
+        for item, output in zip(batch, outcome, strict=True):
             if not item.future.done():
                 item.future.set_result(output)
 
+    def _offer_cut_in(self) -> None:
+        """Event loop, while a batch decodes: if no cut-in is under way, the cut-ins' share of its time is not used
+        up and the queue holds texts at most 1/cut_in_ratio of its longest, hand a batch of them over."""
+        decoding = self._decoding
+        if decoding is None or self._cut_in is not None:
+            return
+        share_free_in_s = decoding.hosted_s / CUT_IN_SHARE - (time.monotonic() - decoding.started)
+        if share_free_in_s > 0:
+            if decoding.look_again is None:
+                decoding.look_again = asyncio.get_running_loop().call_later(share_free_in_s, self._look_again)
+            return
+        shorter = decoding.longest // self.cut_in_ratio
+        candidates = [item for item in self._queue if item.length <= shorter and not item.future.done()]
+        if not candidates:
+            return
+        batch, _ = self._plan_batch(candidates, any_options=True)
+        self._take(batch)
+        self._cut_in = batch
+        self._handover.append(batch)
+
+    def _look_again(self) -> None:
+        if self._decoding is not None:
+            self._decoding.look_again = None
+            self._offer_cut_in()
+
+    def _run_cut_in(self, batch: list[_Item], loop: asyncio.AbstractEventLoop) -> None:
+        """Compute thread, between two steps of the decoding batch: the cut-in, whole; its answer to the loop."""
+        started = time.monotonic()
+        try:
+            options = [item.options for item in batch]
+            outcome = self._pad_and_run([item.ids for item in batch], options, _stop_if_abandoned(batch))
+        except Exception as error:
+            outcome = error
+        seconds = time.monotonic() - started
+        self._hosted_s += seconds
+        loop.call_soon_threadsafe(self._cut_in_done, batch, outcome, seconds)
+
+    def _cut_in_done(self, batch: list[_Item], outcome: Sequence[Any] | Exception, seconds: float) -> None:
+        self._cut_in = None
+        self._answer_batch(batch, outcome, seconds)
+        if self._decoding is not None:
+            self._decoding.hosted_s += seconds
+            self._offer_cut_in()
+
     def _pad_and_run(
-        self, sequences: list[list[int]], options: Hashable, stop_if_abandoned: Callable[[], None]
+        self, sequences: list[list[int]], options: Hashable | list[Hashable], stop_if_abandoned: Callable[[], None]
     ) -> Sequence[Any]:
         input_ids, attention_mask = pad(sequences, self.pad_id)
-        started = time.perf_counter()
+        started, hosted_before = time.perf_counter(), self._hosted_s
         outputs = self.run_batch(input_ids, attention_mask, options, stop_if_abandoned)
         if self.metrics:
             self.metrics.observe_batch(
@@ -324,7 +426,7 @@ class Batcher:
                 size=len(sequences),
                 real_tokens=sum(map(len, sequences)),
                 padded_tokens=input_ids.size,
-                inference_s=time.perf_counter() - started,
+                inference_s=time.perf_counter() - started - (self._hosted_s - hosted_before),
             )
         return outputs
 

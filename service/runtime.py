@@ -138,7 +138,8 @@ class TranslatorRuntime:
     """encoder.onnx once per source, then decoder.onnx (the step form, export/step_decoder.py) one token at a time.
 
     `run(input_ids, attention_mask, (beam_size, max_new_tokens), between_steps)` -> one list of target token
-    ids per row (no BOS/EOS): a batch of whole requests decoded until its last sentence ends. `between_steps`
+    ids per row (no BOS/EOS): a batch of whole requests decoded until its last sentence ends (options for every
+    row, or a list of them, one per row: each row keeps its own beam and length limit). `between_steps`
     is called before each decoder step; it raises to stop the batch (the batcher's does when nobody waits for
     the answers any more). `live()` gives the step-level form of the same decoding: a `LiveDecode` that sources
     join and leave between steps (service/batcher.py's StepBatcher decides who and when). The searches are the
@@ -187,8 +188,9 @@ class TranslatorRuntime:
         between_steps = between_steps or (lambda: None)
         live = LiveDecode(self)
         sources = set(range(len(input_ids)))
+        per_row = options if isinstance(options, list) else [options] * len(input_ids)
         try:
-            live.admit(input_ids, attention_mask, [(row, options) for row in range(len(input_ids))])
+            live.admit(input_ids, attention_mask, list(enumerate(per_row)))
             outputs: dict[Hashable, list[int]] = {}
             while live.rows:
                 between_steps()

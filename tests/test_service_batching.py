@@ -372,3 +372,110 @@ async def test_queued_cost_follows_the_queue_through_submits_drops_and_batches()
     await asyncio.gather(first, *waiting[1:], late)
     assert batcher._queued_cost == 0 and batcher.queue_depth == 0
     await batcher.close()
+
+
+# ---- cut-ins: a much shorter batch runs whole between two steps of a long one (translation) ----
+
+
+class SteppingRuntime:
+    """Decodes one step per token of the longest text, `step_s` each, calling `between_steps` before each step
+    (as TranslatorRuntime.run does); records when each batch starts and ends, by its longest text."""
+
+    def __init__(self, step_s: float = 0.005, steps: bool = True):
+        self.step_s, self.steps = step_s, steps
+        self.events: list[tuple[str, int]] = []
+
+    def __call__(self, input_ids, attention_mask, options, between_steps):
+        lengths = attention_mask.sum(axis=1).tolist()
+        self.events.append(("start", max(lengths)))
+        for _ in range(max(lengths)):
+            if self.steps:
+                between_steps()
+            time.sleep(self.step_s)
+        self.events.append(("end", max(lengths)))
+        return [(int(length), options) for length in lengths]
+
+
+async def submit_during(batcher, first: int, then: list[int], after_s: float = 0.03):
+    """A `first`-token text, then (while it computes) the `then` texts; -> every answer's length."""
+    long = asyncio.create_task(batcher.submit([[1] * first], timeout_s=5))
+    await asyncio.sleep(after_s)
+    short = await asyncio.gather(*(batcher.submit([[1] * n], timeout_s=5) for n in then))
+    return [out[0][0] for out in [await long, *short]]
+
+
+async def test_a_much_shorter_batch_cuts_in_between_steps_and_the_long_one_goes_on():
+    runtime = SteppingRuntime()
+    batcher = make_batcher(runtime, cut_in_ratio=4)
+    batcher.start()
+    long = asyncio.create_task(batcher.submit([[1] * 40], timeout_s=5))
+    await asyncio.sleep(0.03)
+    short = await batcher.submit([[1] * 8, [1] * 10], timeout_s=5)  # both at most 40 / 4: one batch, whole
+    assert not long.done()
+    assert [out[0] for out in [*await long, *short]] == [40, 8, 10]
+    await batcher.close()
+    assert runtime.events == [("start", 40), ("start", 10), ("end", 10), ("end", 40)]
+
+
+async def test_texts_queued_during_a_cut_in_cut_in_next_together_whatever_their_options():
+    runtime = SteppingRuntime()
+    batcher = make_batcher(runtime, cut_in_ratio=4)
+    batcher.start()
+    long = asyncio.create_task(batcher.submit([[1] * 40], timeout_s=5))
+    await asyncio.sleep(0.03)
+    first = asyncio.create_task(batcher.submit([[1] * 3], timeout_s=5))  # cuts in at once, alone
+    await asyncio.sleep(0.005)
+    a, b = await asyncio.gather(batcher.submit([[1] * 8], timeout_s=5, options=("beam", 1)),
+                                batcher.submit([[1] * 9], timeout_s=5, options=("beam", 4)))  # fmt: skip
+    # one batch of the two, each row with its own options (the runtime gets them per row)
+    assert a == [(8, [("beam", 1), ("beam", 4)])] and b == [(9, [("beam", 1), ("beam", 4)])]
+    assert (await first)[0][0] == 3 and (await long)[0][0] == 40
+    await batcher.close()
+    assert runtime.events == [("start", 40), ("start", 3), ("end", 3), ("start", 9), ("end", 9), ("end", 40)]
+
+
+async def test_a_cut_in_past_the_share_waits_until_the_long_batch_has_had_its_half():
+    runtime = SteppingRuntime()
+    batcher = make_batcher(runtime, cut_in_ratio=4)
+    batcher.start()
+    # 40 steps of 5 ms; at ~30 ms an 8-token text cuts in (40 ms), the 9-token one queued with it waits: ~40 ms of
+    # cut-ins in ~70 ms is more than half, so it cuts in at ~80 ms, when the long batch has had its 40 ms
+    assert await submit_during(batcher, 40, [8, 9]) == [40, 8, 9]
+    await batcher.close()
+    assert runtime.events == [("start", 40), ("start", 8), ("end", 8), ("start", 9), ("end", 9), ("end", 40)]
+
+
+async def test_texts_not_short_enough_or_no_cut_ins_wait_for_the_batch_to_end():
+    for ratio, then in ((4, [11]), (0, [8])):  # 11 > 40 / 4; ratio 0: cut-ins off
+        runtime = SteppingRuntime()
+        batcher = make_batcher(runtime, cut_in_ratio=ratio)
+        batcher.start()
+        assert await submit_during(batcher, 40, then) == [40, *then]
+        await batcher.close()
+        assert runtime.events == [("start", 40), ("end", 40), ("start", then[0]), ("end", then[0])]
+
+
+async def test_a_cut_in_the_running_batch_never_took_runs_after_it():
+    runtime = SteppingRuntime(steps=False)  # never stops between steps: the hand-over stays where it was put
+    batcher = make_batcher(runtime, cut_in_ratio=4)
+    batcher.start()
+    assert await submit_during(batcher, 40, [8]) == [40, 8]
+    await batcher.close()
+    assert runtime.events == [("start", 40), ("end", 40), ("start", 8), ("end", 8)]
+
+
+async def test_cut_ins_take_at_most_half_of_the_long_batchs_time():
+    from service.batcher import CUT_IN_SHARE, _Decoding
+
+    batcher = make_batcher(RecordingRuntime(), cut_in_ratio=4)  # not started: submit only queues and offers
+    batcher._decoding = _Decoding(longest=40, started=time.monotonic() - 1.0, hosted_s=CUT_IN_SHARE + 0.05)
+    waiting = asyncio.create_task(batcher.submit([[1] * 8], timeout_s=5))
+    await asyncio.sleep(0)
+    assert not batcher._handover and batcher.queue_depth == 1  # its share is used up: the text waits in the queue
+    batcher._decoding.hosted_s = CUT_IN_SHARE - 0.05
+    also = asyncio.create_task(batcher.submit([[1] * 10], timeout_s=5))
+    await asyncio.sleep(0)
+    assert [[item.length for item in batch] for batch in batcher._handover] == [[8, 10]]
+    assert batcher.queue_depth == 0
+    for task in (waiting, also):
+        task.cancel()

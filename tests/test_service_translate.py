@@ -105,7 +105,8 @@ async def test_requests_with_different_options_are_never_batched_together(transl
         runtimes.append(CountingRuntime(runtime))
         return runtimes[-1]
 
-    settings = make_settings(root, max_wait_ms=200, translate_scheduling="request")  # whole-request batches
+    # whole-request batches, none cutting in (a cut-in of short requests may mix options: test_step_batching.py)
+    settings = make_settings(root, max_wait_ms=200, translate_scheduling="request", translate_cut_in_ratio=0)
     async with running_service(settings, wrap_runtime=wrap) as client:
         runtimes[0].batches.clear()
         payloads = [{"text": t, "beam_size": 1 + i % 2} for i, t in enumerate(TEXTS)]

@@ -537,3 +537,33 @@ async def test_on_a_bundle_with_compressed_cross_attention_answers_equal_pytorch
         answered = await staggered(client, [{"text": t, "beam_size": beam_size} for t in TEXTS * 2], gap_s=0.002)
     expected = torch_translations(checkpoint, bundle, TEXTS * 2, beam_size)
     assert [r.json()["translations"][0] for _, r in answered] == expected
+
+
+@pytest.mark.parametrize("cut_in_ratio", [4, 0])
+async def test_under_request_scheduling_short_requests_cut_into_a_long_batch_and_decode_as_alone(cut_in_ratio):
+    model = "translate-linformer"
+    _, tokenizer, runtime = translator(model)
+    shorts = [{"max_new_tokens": 12}, {"beam_size": 2}, {}]  # a cut-in may hold short requests of any options
+    payloads = [{"text": LOAD_TEXTS["128"][0]}, *({"text": t, **o} for t, o in zip(SHORT_TEXTS, shorts, strict=True))]
+    expected = [alone(runtime, tokenizer, p["text"], p.get("beam_size", 1), p.get("max_new_tokens", 256))
+                for p in payloads]  # fmt: skip
+    settings = make_settings(MODELS, classify_model="", translate_model=model, translate_cut_in_ratio=cut_in_ratio)
+    async with running_service(settings) as client:
+        answered = await staggered(client, payloads, gap_s=0.01)
+    for (_, response), tokens in zip(answered, expected, strict=True):
+        assert response.status_code == 200, response.text
+        assert response.json()["translations"][0] == {"text": tokenizer.decode(tokens), "tokens": len(tokens)}
+    long_done = answered[0][0]
+    shorts_first = sum(done < long_done for done, _ in answered[1:])
+    # with cut-ins the short requests (under a quarter of the long source) run between its steps; without, after it
+    assert shorts_first == (len(SHORT_TEXTS) if cut_in_ratio else 0)
+
+
+def test_a_request_level_batch_with_options_per_row_decodes_each_row_as_alone():
+    from service.batcher import pad
+
+    bundle, tokenizer, runtime = translator("translate-linformer")
+    options = [(1, 12), (2, 256), (3, 40)]  # what a cut-in of short requests with their own options gets
+    input_ids, attention_mask = pad([source_ids(tokenizer, text) for text in SHORT_TEXTS], bundle.pad_id)
+    together = runtime.run(input_ids, attention_mask, options)
+    assert together == [alone(runtime, tokenizer, t, *o) for t, o in zip(SHORT_TEXTS, options, strict=True)]
