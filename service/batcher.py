@@ -409,6 +409,8 @@ class Batcher:
 
     def _cut_in_done(self, batch: list[_Item], outcome: Sequence[Any] | Exception, seconds: float) -> None:
         self._cut_in = None
+        if self.metrics:
+            self.metrics.child(self.metrics.cut_ins, self.name).inc()
         self._answer_batch(batch, outcome, seconds)
         if self._decoding is not None:
             self._decoding.hosted_s += seconds

@@ -43,6 +43,11 @@ class Metrics:
         self.dropped = Counter(
             "linformer_dropped_texts", "Queued texts dropped before compute", ["model", "reason"], registry=r
         )
+        self.cut_ins = Counter(
+            "linformer_cut_in_batches",
+            "Translation batches that ran whole between two steps of a longer batch (LINFORMER_TRANSLATE_CUT_IN_RATIO)",
+            ["model"], registry=r,
+        )
         self.rejected = Counter(
             "linformer_rejected_requests",
             "Requests refused with 429: reason concurrency (admission, before the body is read) or queue_full",

@@ -4,6 +4,7 @@ source gets when decoded alone."""
 
 import asyncio
 import json
+import re
 import textwrap
 import threading
 import time
@@ -550,9 +551,12 @@ async def test_under_request_scheduling_short_requests_cut_into_a_long_batch_and
     settings = make_settings(MODELS, classify_model="", translate_model=model, translate_cut_in_ratio=cut_in_ratio)
     async with running_service(settings) as client:
         answered = await staggered(client, payloads, gap_s=0.01)
+        metrics = (await client.get("/metrics")).text
     for (_, response), tokens in zip(answered, expected, strict=True):
         assert response.status_code == 200, response.text
         assert response.json()["translations"][0] == {"text": tokenizer.decode(tokens), "tokens": len(tokens)}
+    cut_ins = re.search(r'^linformer_cut_in_batches_total\{model="translate-linformer"\} (\S+)$', metrics, re.M)
+    assert (cut_ins is not None and float(cut_ins[1]) > 0) == bool(cut_in_ratio)  # counted in /metrics
     long_done = answered[0][0]
     shorts_first = sum(done < long_done for done, _ in answered[1:])
     # with cut-ins the short requests (under a quarter of the long source) run between its steps; without, after it
