@@ -78,11 +78,11 @@ BUNDLE = "translate-transformer"  # the default: the one vanilla translator both
 @dataclass
 class Record:
     n: int
-    sent_s: float  # from the start of the run
+    sent_s: float  # from the start of the recorded window (negative: sent in the warm-up)
     latency_s: float
     status: int  # 0: transport error
     tokens: int  # generated tokens in the reply
-    in_window: bool  # the reply arrived before the recorded window's end (it counts towards throughput)
+    in_window: bool  # the reply arrived within the recorded window (it counts towards throughput)
 
 
 def start(deployment: str, models_dir: Path, log_dir: Path, fp32_bundle: str = BUNDLE):
@@ -157,11 +157,11 @@ async def closed_loop(
     port: int, users: int, seconds: float, lengths: tuple[int, ...], warmup_s: float = 0.0, slice_index: int = 0,
     max_new_tokens: int | None = None,
 ) -> list[Record]:
-    """`users` closed-loop users for warmup_s + seconds; the requests sent in the last `seconds` are recorded (times
-    from the start of that window). The users start together, so the first requests arrive as one burst; recording
-    after a warm-up in the same loop measures the steady state, not that burst (which a load test with staggered
-    starts, such as Locust's spawn rate, does not have either). `slice_index` picks another seeded sequence of
-    lengths (the same for every deployment)."""
+    """`users` closed-loop users for warmup_s + seconds; every request is recorded (times from the start of the last
+    `seconds`, the window: a request sent in the warm-up has a negative `sent_s`). The users start together, so the
+    first requests arrive as one burst; measuring after a warm-up in the same loop measures the steady state, not
+    that burst (which a load test with staggered starts, such as Locust's spawn rate, does not have either).
+    `slice_index` picks another seeded sequence of lengths (the same for every deployment)."""
     records: list[Record] = []
     started = time.perf_counter() + warmup_s  # the recorded window's start
 
@@ -177,9 +177,8 @@ async def closed_loop(
                 status, tokens = 0, 0
                 conn.close()
                 conn = await Connection.open(port)
-            if now >= 0:
-                latency = time.perf_counter() - started - now
-                records.append(Record(n, now, latency, status, tokens, now + latency <= seconds))
+            latency = time.perf_counter() - started - now
+            records.append(Record(n, now, latency, status, tokens, 0 <= now + latency <= seconds))
             sent += 1
         conn.close()
 
@@ -206,8 +205,12 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summarise(deployment: str, users: int, seconds: float, records: list[Record], load: str) -> tuple[dict, list]:
+    """Latencies of the requests sent in the window; throughput from the replies that arrived in it, whenever sent.
+    (Counting only replies both sent and answered in the window undercounts, and the more so the longer a request
+    takes: the one a user has in flight at the window's end is length-biased, most often a long one.)"""
+    in_time = [r for r in records if r.status == 200 and r.in_window]
+    records = [r for r in records if r.sent_s >= 0]
     ok = [r for r in records if r.status == 200]
-    in_time = [r for r in ok if r.in_window]
     short = [1000 * r.latency_s for r in ok if r.n <= SHORT]
     generated = sum(r.tokens for r in in_time)
     row = {"deployment": deployment, "users": users, "seconds": seconds, "requests": len(records),

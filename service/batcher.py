@@ -46,7 +46,7 @@ from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-RunBatch = Callable[[np.ndarray, np.ndarray, Hashable, Callable[[], None]], Sequence[Any]]
+RunBatch = Callable[[np.ndarray, np.ndarray, Hashable | list[Hashable], Callable[[], None]], Sequence[Any]]
 
 # cut-ins may take at most this share of the time since the batch they cut into began: the long batch keeps half
 CUT_IN_SHARE = 0.5
@@ -112,7 +112,7 @@ class _Decoding:
     longest: int
     started: float  # time.monotonic()
     hosted_s: float = 0.0  # time its cut-ins took so far
-    look_again: asyncio.TimerHandle | None = None  # when their share is used up: when it will not be
+    look_again: asyncio.TimerHandle | None = None  # while their share is used up: fires when it frees
 
 
 def _stop_if_abandoned(batch: list[_Item]) -> Callable[[], None]:

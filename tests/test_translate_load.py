@@ -10,9 +10,11 @@ def test_throughput_counts_only_replies_within_the_run_and_short_means_at_most_3
         # answered after its recorded window (closed_loop marks it): a latency, but not throughput
         Record(n=64, sent_s=1.5, latency_s=0.900, status=200, tokens=40, in_window=False),
         Record(n=16, sent_s=1.2, latency_s=0.005, status=503, tokens=0, in_window=True),
+        # sent in the warm-up, answered in the window: throughput, but not a latency or a request of the window
+        Record(n=256, sent_s=-0.3, latency_s=0.500, status=200, tokens=90, in_window=True),
     ]
     row, buckets = summarise("ours-request-fp32", 4, 2.0, records, "load")
-    assert row["generated_tokens_per_s"] == (5 + 20) / 2.0
+    assert row["generated_tokens_per_s"] == (5 + 20 + 90) / 2.0 and row["requests"] == 4
     assert row["errors"] == 1 and row["short_requests"] == 2  # the 503 is neither short nor a latency
     assert row["short_p99_ms"] <= 30.0 < row["p99_ms"]
     assert [b["n"] for b in buckets] == [8, 16, 32, 64] and buckets[1]["requests"] == 0
