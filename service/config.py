@@ -50,7 +50,7 @@ class Settings(BaseSettings):
     # Request scheduling only: a queued batch whose longest source is at most 1/ratio of the decoding batch's longest
     # runs whole between two of its steps (a cut-in, service/batcher.py), so short requests do not wait for long
     # batches to end; cut-ins take at most half of a long batch's time. 0: none, batches run one after another (the
-    # most tokens/s). At 16 users, mixed lengths, 4 cut short requests' p99 2.4-3.2x at 0.74-0.88x the tokens/s
+    # most tokens/s). At 16 users, mixed lengths, 4 cut short requests' p99 2.4-2.7x at 0.77-0.87x the tokens/s
     # (README, Against CTranslate2).
     translate_cut_in_ratio: int = Field(4, ge=0)
     # deadline for an answer, counted from the request's arrival (a wait for an admission slot, the body's upload,
