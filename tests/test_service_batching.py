@@ -396,20 +396,27 @@ class SteppingRuntime:
         return [(int(length), options) for length in lengths]
 
 
-async def submit_during(batcher, first: int, then: list[int], after_s: float = 0.03):
-    """A `first`-token text, then (while it computes) the `then` texts; -> every answer's length."""
-    long = asyncio.create_task(batcher.submit([[1] * first], timeout_s=5))
-    await asyncio.sleep(after_s)
+async def decoding_long(runtime, cut_in_ratio: int = 4):
+    """A started batcher over `runtime` ~30 ms into computing a 40-token text; -> (batcher, that text's task)."""
+    batcher = make_batcher(runtime, cut_in_ratio=cut_in_ratio)
+    batcher.start()
+    long = asyncio.create_task(batcher.submit([[1] * 40], timeout_s=5))
+    await asyncio.sleep(0.03)
+    return batcher, long
+
+
+async def submit_during(runtime, then: list[int], cut_in_ratio: int = 4):
+    """The `then` texts while a 40-token text computes; -> every answer's length, the 40 first."""
+    batcher, long = await decoding_long(runtime, cut_in_ratio)
     short = await asyncio.gather(*(batcher.submit([[1] * n], timeout_s=5) for n in then))
-    return [out[0][0] for out in [await long, *short]]
+    answers = [out[0][0] for out in [await long, *short]]
+    await batcher.close()
+    return answers
 
 
 async def test_a_much_shorter_batch_cuts_in_between_steps_and_the_long_one_goes_on():
     runtime = SteppingRuntime()
-    batcher = make_batcher(runtime, cut_in_ratio=4)
-    batcher.start()
-    long = asyncio.create_task(batcher.submit([[1] * 40], timeout_s=5))
-    await asyncio.sleep(0.03)
+    batcher, long = await decoding_long(runtime)
     short = await batcher.submit([[1] * 8, [1] * 10], timeout_s=5)  # both at most 40 / 4: one batch, whole
     assert not long.done()
     assert [out[0] for out in [*await long, *short]] == [40, 8, 10]
@@ -419,10 +426,7 @@ async def test_a_much_shorter_batch_cuts_in_between_steps_and_the_long_one_goes_
 
 async def test_texts_queued_during_a_cut_in_cut_in_next_together_whatever_their_options():
     runtime = SteppingRuntime()
-    batcher = make_batcher(runtime, cut_in_ratio=4)
-    batcher.start()
-    long = asyncio.create_task(batcher.submit([[1] * 40], timeout_s=5))
-    await asyncio.sleep(0.03)
+    batcher, long = await decoding_long(runtime)
     first = asyncio.create_task(batcher.submit([[1] * 3], timeout_s=5))  # cuts in at once, alone
     await asyncio.sleep(0.005)
     a, b = await asyncio.gather(batcher.submit([[1] * 8], timeout_s=5, options=("beam", 1)),
@@ -436,31 +440,22 @@ async def test_texts_queued_during_a_cut_in_cut_in_next_together_whatever_their_
 
 async def test_a_cut_in_past_the_share_waits_until_the_long_batch_has_had_its_half():
     runtime = SteppingRuntime()
-    batcher = make_batcher(runtime, cut_in_ratio=4)
-    batcher.start()
     # 40 steps of 5 ms; at ~30 ms an 8-token text cuts in (40 ms), the 9-token one queued with it waits: ~40 ms of
     # cut-ins in ~70 ms is more than half, so it cuts in at ~80 ms, when the long batch has had its 40 ms
-    assert await submit_during(batcher, 40, [8, 9]) == [40, 8, 9]
-    await batcher.close()
+    assert await submit_during(runtime, [8, 9]) == [40, 8, 9]
     assert runtime.events == [("start", 40), ("start", 8), ("end", 8), ("start", 9), ("end", 9), ("end", 40)]
 
 
 async def test_texts_not_short_enough_or_no_cut_ins_wait_for_the_batch_to_end():
     for ratio, then in ((4, [11]), (0, [8])):  # 11 > 40 / 4; ratio 0: cut-ins off
         runtime = SteppingRuntime()
-        batcher = make_batcher(runtime, cut_in_ratio=ratio)
-        batcher.start()
-        assert await submit_during(batcher, 40, then) == [40, *then]
-        await batcher.close()
+        assert await submit_during(runtime, then, cut_in_ratio=ratio) == [40, *then]
         assert runtime.events == [("start", 40), ("end", 40), ("start", then[0]), ("end", then[0])]
 
 
 async def test_a_cut_in_the_running_batch_never_took_runs_after_it():
     runtime = SteppingRuntime(steps=False)  # never stops between steps: the hand-over stays where it was put
-    batcher = make_batcher(runtime, cut_in_ratio=4)
-    batcher.start()
-    assert await submit_during(batcher, 40, [8]) == [40, 8]
-    await batcher.close()
+    assert await submit_during(runtime, [8]) == [40, 8]
     assert runtime.events == [("start", 40), ("end", 40), ("start", 8), ("end", 8)]
 
 
