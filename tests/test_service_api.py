@@ -1,7 +1,9 @@
 """The HTTP contract, through the real app, the real ONNX session and the real tokenizer."""
 
 import json
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,3 +206,24 @@ def test_service_never_imports_torch_or_onnx():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
+
+
+def test_the_readme_documents_every_setting_with_its_default():
+    from service.config import Settings
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("## Configuration") : readme.index("## Operating it")]
+    cells = dict(re.findall(r"^\| `(LINFORMER_[A-Z_]+)`[^|]*\| ([^|]+?) \|", table, re.M))
+    for name, field in Settings.model_fields.items():
+        variable = f"LINFORMER_{name.upper()}"
+        assert f"`{variable}`" in table, f"{variable} is not in the README's configuration table"
+        cell = cells.get(variable, "").strip("`")
+        if not cell or " " in cell:  # its default said in words, or in the row of the variable it is paired with
+            continue
+        default = field.default
+        if isinstance(default, bool):
+            assert cell == str(default).lower(), variable
+        elif isinstance(default, int | float):
+            assert float(cell) == default, variable
+        else:
+            assert cell == str(default), variable
