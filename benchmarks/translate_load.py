@@ -18,7 +18,7 @@ and only the requests sent in the last --duration are recorded (batch shapes tha
 first use, and the users' simultaneous first requests are not the steady state; until issue #17's fourth round the
 warm-up was a loop of its own and the recorded loop began with that burst too). Latency percentiles are per
 source-length bucket over every request sent in the recorded window (the last ones finish after the clock);
-throughput counts the generated tokens (the reply's `tokens`) of the replies that arrived within it.
+throughput counts the generated tokens (the reply's `tokens`) of the replies that arrived within it, whenever sent.
 
     .venv/bin/python -m benchmarks.translate_load --deployments ours-request-fp32,ct2-fp32 --users 1,4,16 \
         --duration 30 [--out benchmarks/results/translate-load]
