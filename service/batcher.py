@@ -111,7 +111,7 @@ class _Decoding:
 
     longest: int
     started: float  # time.monotonic()
-    hosted_s: float = 0.0  # time its cut-ins took so far
+    hosted_from: float  # Batcher._hosted_s when it began: the time its cut-ins took is what that grew by since
     look_again: asyncio.TimerHandle | None = None  # while their share is used up: fires when it frees
 
 
@@ -170,7 +170,7 @@ class Batcher:
         # the hand-over: the event loop appends (one batch at most), the compute thread takes it between two steps;
         # what the compute thread did not take when its batch ended, the worker computes next
         self._handover: deque[list[_Item]] = deque()
-        self._hosted_s = 0.0  # compute thread only: time spent in cut-ins, so a batch's own time leaves them out
+        self._hosted_s = 0.0  # time spent in cut-ins (the compute thread adds): a batch's own time leaves them out
 
     # ---- request side (event loop) ----
 
@@ -328,7 +328,7 @@ class Batcher:
         started = time.monotonic()
         stop_if_abandoned = between_steps = _stop_if_abandoned(batch)
         if self.cut_in_ratio:
-            self._decoding = _Decoding(max(item.length for item in batch), started)
+            self._decoding = _Decoding(max(item.length for item in batch), started, self._hosted_s)
 
             def between_steps() -> None:  # compute thread: a cut-in handed over runs here, whole
                 stop_if_abandoned()
@@ -346,7 +346,7 @@ class Batcher:
         if self._decoding is not None:
             if self._decoding.look_again is not None:
                 self._decoding.look_again.cancel()
-            hosted_s, self._decoding = self._decoding.hosted_s, None
+            hosted_s, self._decoding = self._hosted_s - self._decoding.hosted_from, None
         self._answer_batch(batch, outcome, time.monotonic() - started - hosted_s)
 
     def _answer_batch(self, batch: list[_Item], outcome: Sequence[Any] | Exception, seconds: float) -> None:
@@ -376,7 +376,8 @@ class Batcher:
         decoding = self._decoding
         if decoding is None or self._cut_in is not None:
             return
-        share_free_in_s = decoding.hosted_s / CUT_IN_SHARE - (time.monotonic() - decoding.started)
+        hosted_s = self._hosted_s - decoding.hosted_from
+        share_free_in_s = hosted_s / CUT_IN_SHARE - (time.monotonic() - decoding.started)
         if share_free_in_s > 0:
             if decoding.look_again is None:
                 decoding.look_again = asyncio.get_running_loop().call_later(share_free_in_s, self._look_again)
@@ -412,9 +413,7 @@ class Batcher:
         if self.metrics:
             self.metrics.child(self.metrics.cut_ins, self.name).inc()
         self._answer_batch(batch, outcome, seconds)
-        if self._decoding is not None:
-            self._decoding.hosted_s += seconds
-            self._offer_cut_in()
+        self._offer_cut_in()
 
     def _pad_and_run(
         self, sequences: list[list[int]], options: Hashable | list[Hashable], stop_if_abandoned: Callable[[], None]

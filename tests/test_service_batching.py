@@ -463,11 +463,12 @@ async def test_cut_ins_take_at_most_half_of_the_long_batchs_time():
     from service.batcher import CUT_IN_SHARE, _Decoding
 
     batcher = make_batcher(RecordingRuntime(), cut_in_ratio=4)  # not started: submit only queues and offers
-    batcher._decoding = _Decoding(longest=40, started=time.monotonic() - 1.0, hosted_s=CUT_IN_SHARE + 0.05)
+    batcher._decoding = _Decoding(longest=40, started=time.monotonic() - 1.0, hosted_from=0.0)
+    batcher._hosted_s = CUT_IN_SHARE + 0.05  # cut-ins took that long since it began
     waiting = asyncio.create_task(batcher.submit([[1] * 8], timeout_s=5))
     await asyncio.sleep(0)
     assert not batcher._handover and batcher.queue_depth == 1  # its share is used up: the text waits in the queue
-    batcher._decoding.hosted_s = CUT_IN_SHARE - 0.05
+    batcher._hosted_s = CUT_IN_SHARE - 0.05
     also = asyncio.create_task(batcher.submit([[1] * 10], timeout_s=5))
     await asyncio.sleep(0)
     assert [[item.length for item in batch] for batch in batcher._handover] == [[8, 10]]
