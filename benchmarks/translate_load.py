@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deployments", default="ours-request-fp32,ct2-fp32", type=lambda s: s.split(","))
     parser.add_argument("--users", default="1,4,16", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--duration", type=float, default=30, help="seconds of load per (deployment, users)")
-    parser.add_argument("--warmup", type=float, default=3, help="seconds of unrecorded load before each run")
+    parser.add_argument("--warmup", type=float, default=3,
+                        help="seconds of load before each run (or turn) whose requests give no latencies")
     parser.add_argument("--max-new-tokens", type=int, help="the same for every length (default: 2n + 8 per length)")
     parser.add_argument("--slices", type=int, default=1,
                         help="measure each point in this many turns of duration/slices s, the deployments taking turns "
@@ -334,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
                     if s == 0:
                         warm_up(port, args.lengths)
                         loads[deployment] = load_average()
-                    # the first --warmup seconds unrecorded: batch shapes only seen under load allocate on first use
+                    # no latencies from requests sent in the first --warmup seconds (batch shapes only seen under load
+                    # allocate on first use); their replies that arrive in the window count towards throughput
                     records[deployment] += asyncio.run(closed_loop(port, users, slice_s, args.lengths, args.warmup, s,
                                                                    args.max_new_tokens))  # fmt: skip
             for deployment in args.deployments:
