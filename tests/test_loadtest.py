@@ -325,3 +325,21 @@ def test_sweep_spawns_both_deployments_and_writes_the_report(tmp_path):
     assert all(timed >= int(r["requests"]) for timed, r in zip(exact, rows, strict=True))
     markdown = (tmp_path / "results" / "sweep-classify.md").read_text()
     assert "speedup p50" in markdown and "taskset" in markdown
+
+
+def test_table3_gpu_runs_every_kind_on_the_cpu_and_reports_ratios_of_its_own_timings(tmp_path):
+    import csv
+
+    from loadtest import table3_gpu
+
+    stem = table3_gpu.main(["--device", "cpu", "--size", "served", "--lengths", "32,64", "--ks", "8,16", "--tokens",
+                            "128", "--reps", "2", "--dtype", "float32", "--out", str(tmp_path)])  # fmt: skip
+    rows = list(csv.DictReader(stem.with_suffix(".csv").open()))
+    assert [(int(r["n"]), int(r["k"]), int(r["batch"])) for r in rows] == [(32, 8, 4), (32, 16, 4), (64, 8, 2),
+                                                                          (64, 16, 2)]  # fmt: skip
+    for r in rows:
+        # the ratios come from the unrounded times: equal to the CSV's rounded ones within the last digit
+        assert abs(float(r["speedup"]) - float(r["vanilla_ms"]) / float(r["linformer_ms"])) < 0.011
+        assert abs(float(r["speedup_vs_math"]) - float(r["vanilla_math_ms"]) / float(r["linformer_ms"])) < 0.011
+        assert r["vanilla_peak_mib"] == "" and r["linformer_max_batch"] == ""  # memory is measured on CUDA only
+    assert "device: cpu" in stem.with_suffix(".md").read_text() and stem.with_suffix(".png").stat().st_size > 0
