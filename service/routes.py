@@ -318,7 +318,8 @@ async def translate_answer(state: ServiceState, body: TranslateRequest, scope: S
     # the decoding runtime is batched per (beam_size, max_new_tokens): see Batcher's `options`
     outputs = await _infer(scope, receive, state, model, "/translate", [e.ids for e in encoded],
                            options=(body.beam_size, body.max_new_tokens), cost=cost)  # fmt: skip
-    translations = [{"text": model.tokenizer.decode(list(ids)), "tokens": len(ids)} for ids in outputs]
+    translations = [{"text": model.tokenizer.decode(list(ids), source.unknowns), "tokens": len(ids)}
+                    for ids, source in zip(outputs, encoded, strict=True)]  # fmt: skip
     return json.dumps({"model": model.bundle.name, "translations": translations}, ensure_ascii=False).encode()
 
 

@@ -90,7 +90,8 @@ class TranslateRequest(TaskRequest):
 
 
 class Translation(BaseModel):
-    text: str
+    text: str = Field(description="the German text; what the vocabulary cannot spell (emoji, other scripts) is "
+                                  "carried over from the source, in order")  # fmt: skip
     tokens: int
 
 

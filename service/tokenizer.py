@@ -21,6 +21,7 @@ class TextTooLong(ValueError):
 class Encoded:
     ids: list[int]
     truncated: bool
+    unknowns: tuple[str, ...] = ()  # the text of each unknown piece (emoji, other scripts), in order: see decode
 
 
 class Tokenizer:
@@ -28,6 +29,7 @@ class Tokenizer:
         self, model_file: Path, *, bos_id: int, eos_id: int, add_bos: bool, add_eos: bool, n_max: int
     ):
         self._sp = spm.SentencePieceProcessor(model_file=str(model_file))
+        self.unk_id = self._sp.unk_id()
         self.bos_id, self.eos_id = bos_id, eos_id
         self.add_bos, self.add_eos = add_bos, add_eos
         self.n_max = n_max
@@ -55,8 +57,28 @@ class Tokenizer:
                     raise TextTooLong(index, len(body) + n_special, self.n_max)
                 body = body[: self.n_max - n_special]
             ids = [self.bos_id] * self.add_bos + body + [self.eos_id] * self.add_eos
-            encoded.append(Encoded(ids, truncated))
+            unknowns = self._unknowns(texts[index], len(body)) if self.unk_id in body else ()
+            encoded.append(Encoded(ids, truncated, unknowns))
         return encoded
 
-    def decode(self, ids: list[int]) -> str:
-        return self._sp.decode(ids)
+    def _unknowns(self, text: str, n_pieces: int) -> tuple[str, ...]:
+        """The source text behind each unknown piece among the first `n_pieces` (a second, rarer encode)."""
+        pieces = self._sp.encode(text, return_type="proto").pieces[:n_pieces]
+        # surface: the original characters; empty where normalisation made the piece (NFKC: ½ -> 1⁄2), then its text
+        return tuple(piece.surface or piece.piece for piece in pieces if piece.id == self.unk_id)
+
+    def decode(self, ids: list[int], unknowns: tuple[str, ...] = ()) -> str:
+        """Target ids -> text. An unknown piece the model wrote (SentencePiece renders it " ⁇ ") is replaced by the
+        source's unknowns in order, the i-th by the i-th: what the vocabulary cannot spell (an emoji, a name in
+        another script) is carried over instead of lost. Unknowns beyond the source's count are dropped."""
+        if self.unk_id not in ids:
+            return self._sp.decode(ids)
+        carried, pieces = iter(unknowns), []
+        for i in ids:
+            if i != self.unk_id:
+                pieces.append(self._sp.id_to_piece(i))
+            elif (text := next(carried, None)) is not None:
+                pieces.append(text)
+            elif pieces and pieces[-1] == "▁":  # dropped, with the word boundary written before it
+                pieces.pop()
+        return self._sp.decode_pieces(pieces)
