@@ -82,6 +82,7 @@ def create_app(bundle: Bundle, runtime: CTranslate2Runtime):
 
     @app.post("/translate", response_model=TranslateResponse)
     def translate(body: TranslateRequest) -> TranslateResponse:  # sync: FastAPI runs it in its thread pool
+        # each text whole: `split_sentences` is not implemented here (the benchmarks send false to both servers)
         try:
             encoded = tokenizer.encode_all(body.all_texts, truncate=body.truncate)
         except TextTooLong as e:

@@ -148,7 +148,8 @@ def request_for(n: int, variant: int, max_new_tokens: int | None = None) -> byte
     """`max_new_tokens`: None for the Locust file's 2n + 8 (requests of different lengths are then never batched
     together: their options differ), a number to send that for every length (the API's default is 256)."""
     texts = texts_of_length("translate", n)
-    body = {"texts": [texts[variant % len(texts)]], "truncate": True, "beam_size": 1,
+    # whole texts of n tokens (not cut into sentences), as the CTranslate2 peer translates them
+    body = {"texts": [texts[variant % len(texts)]], "truncate": True, "beam_size": 1, "split_sentences": False,
             "max_new_tokens": max_new_tokens or translate_max_new_tokens(n)}  # fmt: skip
     return post_request("/translate", json.dumps(body).encode())
 

@@ -163,7 +163,8 @@ def warm_up(base: str, task: str, n: int, requests: int) -> tuple[list[int], lis
             reply = post_json(f"{base}/classify", {"texts": [text], "truncate": True})
             seen.append(reply["results"][0]["tokens"])
         else:
-            body = {"texts": [text], "truncate": True, "max_new_tokens": translate_max_new_tokens(n)}
+            body = {"texts": [text], "truncate": True, "max_new_tokens": translate_max_new_tokens(n),
+                    "split_sentences": False}  # fmt: skip
             reply = post_json(f"{base}/translate", body)
             seen.append(n)  # the reply counts output tokens only
             generated.append(reply["translations"][0]["tokens"])

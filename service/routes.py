@@ -36,7 +36,7 @@ from service.schemas import (
     TranslateRequest,
     TranslateResponse,
 )
-from service.tokenizer import TextTooLong
+from service.tokenizer import TextTooLong, split_sentences
 
 router = APIRouter()
 
@@ -289,21 +289,23 @@ class TaskEndpoint:
             raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in errors]) from None
 
 
-def _check_decode_budget(model: ModelService, texts: int, beam_size: int, max_new_tokens: int, limit: int) -> int:
-    """Decode work per text (beam_size x max_new_tokens, as the runtime caps it); 413 if the request asks too much."""
+def _check_decode_budget(model: ModelService, rows: str, n_rows: int, beam_size: int, max_new_tokens: int,
+                         limit: int) -> int:  # fmt: skip
+    """Decode work per row, a text or a sentence (beam_size x max_new_tokens, as the runtime caps it); 413 if the
+    request asks too much. `rows` names what the rows are ("texts", "sentences")."""
     new_tokens = min(max_new_tokens, int(model.bundle.config.get("tgt_n_max", max_new_tokens)))
-    per_text = beam_size * new_tokens
-    if texts * per_text > limit:
+    per_row = beam_size * new_tokens
+    if n_rows * per_row > limit:
         asked = max_new_tokens
         capped = f" (asked {asked}, capped at the model's target length)" if new_tokens < asked else ""
         raise ServiceError(
             413, "budget_exceeded",
-            f"this request asks for {texts} texts x beam_size {beam_size} x max_new_tokens {new_tokens}{capped} = "
-            f"{texts * per_text} decode tokens, over this server's limit of {limit} "
+            f"this request asks for {n_rows} {rows} x beam_size {beam_size} x max_new_tokens {new_tokens}{capped} = "
+            f"{n_rows * per_row} decode tokens, over this server's limit of {limit} "
             "per request (LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST); send fewer texts, a smaller beam or a "
             "smaller max_new_tokens",
         )
-    return per_text
+    return per_row
 
 
 async def translate_answer(state: ServiceState, body: TranslateRequest, scope: Scope, receive: Receive) -> bytes:
@@ -311,15 +313,29 @@ async def translate_answer(state: ServiceState, body: TranslateRequest, scope: S
     model = serving_model(state, "translate")
     texts = body.all_texts
     _check_text_count(texts, state.settings.max_texts_per_request)
-    cost = _check_decode_budget(
-        model, len(texts), body.beam_size, body.max_new_tokens, state.settings.max_decode_tokens_per_request
-    )
-    encoded = _tokenise(model, texts, body.truncate)
+    # each text's sentences, with the whitespace after each: they are translated one per row and joined again
+    split = [split_sentences(text) if body.split_sentences else [(text, "")] for text in texts]
+    sentences = [(t, sentence) for t, parts in enumerate(split) for sentence, _ in parts]
+    rows = "sentences" if body.split_sentences else "texts"
+    limit = state.settings.max_decode_tokens_per_request
+    cost = _check_decode_budget(model, rows, len(sentences), body.beam_size, body.max_new_tokens, limit)
+    try:
+        encoded = model.tokenizer.encode_all([sentence for _, sentence in sentences], truncate=body.truncate)
+    except TextTooLong as e:
+        t = sentences[e.index][0]
+        what = "text {index}" if len(split[t]) == 1 else "a sentence of text {index}"
+        raise ServiceError(413, "text_too_long", str(TextTooLong(t, e.n_tokens, e.n_max, what))) from None
     # the decoding runtime is batched per (beam_size, max_new_tokens): see Batcher's `options`
-    outputs = await _infer(scope, receive, state, model, "/translate", [e.ids for e in encoded],
-                           options=(body.beam_size, body.max_new_tokens), cost=cost)  # fmt: skip
-    translations = [{"text": model.tokenizer.decode(list(ids), source.unknowns), "tokens": len(ids)}
-                    for ids, source in zip(outputs, encoded, strict=True)]  # fmt: skip
+    outputs = iter(await _infer(scope, receive, state, model, "/translate", [e.ids for e in encoded],
+                                options=(body.beam_size, body.max_new_tokens), cost=cost))  # fmt: skip
+    sources, translations = iter(encoded), []
+    for parts in split:
+        pieces, tokens = [], 0
+        for _, gap in parts:
+            ids, source = next(outputs), next(sources)
+            pieces += [model.tokenizer.decode(list(ids), source.unknowns), gap]
+            tokens += len(ids)
+        translations.append({"text": "".join(pieces), "tokens": tokens})
     return json.dumps({"model": model.bundle.name, "translations": translations}, ensure_ascii=False).encode()
 
 

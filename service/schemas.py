@@ -85,7 +85,14 @@ class TranslateRequest(TaskRequest):
         256, ge=1, le=4096,
         description="At most this many tokens per translation (also capped by the model's target length). "
                     "texts x beam_size x max_new_tokens must stay within the server's per-request budget "
-                    "(LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST), else 413.",
+                    "(LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST), else 413. With split_sentences, per sentence.",
+    )  # fmt: skip
+    split_sentences: bool = Field(
+        True,
+        description="Translate each sentence of a text on its own and join them with the text's own spacing and line "
+                    "breaks (the models were trained on single segments: a paragraph in one piece loses sentences). "
+                    "Sentences end at line breaks and at . ! ? before a capital or a digit. false: each text as one "
+                    "piece.",
     )  # fmt: skip
 
 

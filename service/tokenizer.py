@@ -1,5 +1,6 @@
 """Text -> token ids exactly as the bundle was trained: SentencePiece, then BOS/EOS per config.json."""
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,12 +10,38 @@ from service.bundle import Bundle
 
 
 class TextTooLong(ValueError):
-    def __init__(self, index: int, n_tokens: int, n_max: int):
+    def __init__(self, index: int, n_tokens: int, n_max: int, what: str = "text {index}"):
         self.index, self.n_tokens, self.n_max = index, n_tokens, n_max
         super().__init__(
-            f"text {index} is {n_tokens} tokens, over this model's limit of n_max={n_max} tokens; "
+            f"{what.format(index=index)} is {n_tokens} tokens, over this model's limit of n_max={n_max} tokens; "
             'shorten it or send "truncate": true to cut it to the limit'
         )
+
+
+# Between two sentences: a line break (with the blank lines and indentation around it), or the spaces after a
+# sentence's end (. ! ? …, then closing quotes or brackets) when a capital, a digit or an opening quote follows.
+_BOUNDARY = re.compile(r"""(?P<line>[ \t]*\n\s*)|[.!?…]["'”’)\]]*(?P<space>[ \t]+)(?=["'“‘(\[]?[A-Z0-9ÄÖÜ])""")
+# a period after these ends a word, not a sentence (lower-cased, without the period)
+_ABBREVIATIONS = frozenset("e.g i.e etc vs cf approx fig no nos vol dr mr mrs ms prof st jr sr inc ltd co".split())
+
+
+def split_sentences(text: str) -> list[tuple[str, str]]:
+    """A text as [(sentence, the whitespace after it)], in order: ''.join(s + w) is the text without its leading
+    and trailing whitespace. Rule-based: sentences end at line breaks, and at . ! ? … before a capital or digit,
+    except a period after a known abbreviation or a single letter (an initial)."""
+    text = text.strip()
+    parts, start = [], 0
+    for match in _BOUNDARY.finditer(text):
+        gap = "line" if match.group("line") is not None else "space"
+        if gap == "space" and text[match.start()] == ".":
+            words = text[start : match.start()].rsplit(None, 1)
+            word = words[-1].lower() if words else ""
+            if word in _ABBREVIATIONS or (len(word) == 1 and word.isalpha()):
+                continue
+        parts.append((text[start : match.start(gap)], match.group(gap)))
+        start = match.end(gap)
+    parts.append((text[start:], ""))
+    return parts
 
 
 @dataclass(frozen=True)

@@ -94,11 +94,12 @@ def alone(runtime, tokenizer, text: str, beam_size: int = 1, max_new_tokens: int
 
 
 async def staggered(client, payloads: list[dict], gap_s: float) -> list[tuple[float, httpx.Response]]:
-    """POST each payload gap_s after the previous one; (time answered, response) in sending order."""
+    """POST each payload gap_s after the previous one; (time answered, response) in sending order. Each text is
+    decoded whole (split_sentences false), as `alone` decodes it: the load texts run several sentences together."""
 
     async def send(i: int, payload: dict):
         await asyncio.sleep(i * gap_s)
-        response = await client.post("/translate", json=payload)
+        response = await client.post("/translate", json={**payload, "split_sentences": False})
         return time.monotonic(), response
 
     return await asyncio.gather(*(send(i, p) for i, p in enumerate(payloads)))
@@ -415,7 +416,8 @@ async def test_a_full_queue_is_429_with_retry_after_under_step_scheduling():
     settings = step_settings("translate-linformer", max_batch_size=1, max_queued_decode_tokens=200,
                              max_decode_tokens_per_request=100)  # fmt: skip
     async with running_service(settings, wrap_runtime=recorded([], step_delay_s=0.01)) as client:
-        payload = {"text": LOAD_TEXTS["32"][0], "max_new_tokens": 100}  # costs 100 of the queue's 200
+        # costs 100 of the queue's 200 (one row: the text whole)
+        payload = {"text": LOAD_TEXTS["32"][0], "max_new_tokens": 100, "split_sentences": False}
         responses = await asyncio.gather(*(client.post("/translate", json=payload) for _ in range(6)))
         statuses = sorted(r.status_code for r in responses)
         # one decoding (or about to) and two queued fit; the rest are refused at once
@@ -488,7 +490,8 @@ def test_sigterm_finishes_the_sources_being_decoded_then_exits_zero():
 
     def post(i: int) -> None:
         try:
-            r = httpx.post(f"http://127.0.0.1:{port}/translate", json={"text": texts[i]}, timeout=30)
+            r = httpx.post(f"http://127.0.0.1:{port}/translate", json={"text": texts[i], "split_sentences": False},
+                           timeout=30)  # fmt: skip
             results[i] = r.json()["translations"][0]["text"] if r.status_code == 200 else r.status_code
         except httpx.HTTPError as e:
             results[i] = repr(e)

@@ -1,0 +1,111 @@
+"""What people type into /translate, on the committed bundle: paragraphs (each sentence is translated on its own and
+the text's spacing and line breaks are kept), and what the vocabulary cannot spell (emoji, other scripts: carried
+from the source into the translation, in order, instead of SentencePiece's " ⁇ "). service/tokenizer.py."""
+
+from pathlib import Path
+
+import pytest
+from conftest import make_settings, running_service
+
+from service.bundle import load_bundle
+from service.tokenizer import Tokenizer, split_sentences
+
+pytestmark = pytest.mark.anyio
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+BUNDLE = "translate-linformer"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_bundle(load_bundle(MODELS / BUNDLE))
+
+
+def test_the_source_keeps_the_text_of_each_unknown_piece_in_order(tokenizer):
+    [encoded] = tokenizer.encode_all(["Click 🎉 and then 😀 to finish."], truncate=False)
+    assert encoded.ids.count(tokenizer.unk_id) == 2 and encoded.unknowns == ("🎉", "😀")
+    [plain] = tokenizer.encode_all(["Save the file."], truncate=False)
+    assert tokenizer.unk_id not in plain.ids and plain.unknowns == ()
+    # normalisation (NFKC) makes ½ into 1⁄2: the unknown piece has no source characters of its own, so its text
+    [fraction] = tokenizer.encode_all(["½"], truncate=False)
+    assert fraction.unknowns == ("⁄",)
+
+
+def test_a_truncated_source_keeps_only_the_unknowns_of_what_it_kept(tokenizer):
+    text = "😀 " + "word " * 300 + "🎉"
+    [encoded] = tokenizer.encode_all([text], truncate=True)
+    assert encoded.truncated and encoded.unknowns == ("😀",)
+
+
+def test_decode_puts_the_sources_unknowns_where_the_model_wrote_unknown_pieces(tokenizer):
+    target = tokenizer._sp.encode("Klicken Sie auf 🎉 und dann auf 😀.")  # the emoji encode as unknown pieces
+    assert target.count(tokenizer.unk_id) == 2
+    assert tokenizer.decode(target, ("🎉", "😀")) == "Klicken Sie auf 🎉 und dann auf 😀."
+    # more unknowns written than the source had: the extra ones are dropped, with their word boundary
+    assert tokenizer.decode(target, ("🎉",)) == "Klicken Sie auf 🎉 und dann auf."
+    assert tokenizer.decode(target) == "Klicken Sie auf und dann auf."
+    # no unknown piece: SentencePiece's own decoding, untouched
+    plain = tokenizer._sp.encode("Speichern Sie die Datei.")
+    assert tokenizer.decode(plain, ("🎉",)) == tokenizer._sp.decode(plain) == "Speichern Sie die Datei."
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+async def test_translate_carries_emoji_into_the_translation(beam_size):
+    settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE)
+    async with running_service(settings) as client:
+        response = await client.post("/translate", json={"texts": ["Click 🎉 and then 😀 to finish.", "Save the file."],
+                                                         "beam_size": beam_size})  # fmt: skip
+    assert response.status_code == 200, response.text
+    emoji, plain = (t["text"] for t in response.json()["translations"])
+    assert "⁇" not in emoji and emoji.index("🎉") < emoji.index("😀"), emoji
+    assert plain == "Speichern Sie die Datei."
+
+
+@pytest.mark.parametrize(
+    "text, sentences",
+    [
+        ("Open the file. Then save it. Close the window.", ["Open the file.", "Then save it.", "Close the window."]),
+        ("Click Save.\nThen close the dialog.", ["Click Save.", "Then close the dialog."]),
+        ("  Line one\n\n  Line two  ", ["Line one", "Line two"]),  # no full stop needed before a line break
+        ('He said "Stop." Then he left! Why? 3 tries… OK.',
+         ['He said "Stop."', "Then he left!", "Why?", "3 tries…", "OK."]),
+        ("Use e.g. Writer or Calc. See Fig. 2 below.", ["Use e.g. Writer or Calc.", "See Fig. 2 below."]),
+        ("J. R. R. Tolkien wrote it. No! It was Mr. Smith.",
+         ["J. R. R. Tolkien wrote it.", "No!", "It was Mr. Smith."]),
+        ("Version 2.5 is out. lower case goes on", ["Version 2.5 is out. lower case goes on"]),
+        ("one", ["one"]),
+    ],
+)
+def test_sentences_end_at_line_breaks_and_at_full_stops_before_a_capital(text, sentences):
+    parts = split_sentences(text)
+    assert [sentence for sentence, _ in parts] == sentences
+    assert "".join(sentence + gap for sentence, gap in parts) == text.strip()  # nothing lost, spacing kept
+
+
+async def test_a_paragraph_is_translated_sentence_by_sentence_with_its_line_breaks():
+    first, second = "Click the Save button to store your changes.", "Then close the dialog."
+    async with running_service(make_settings(MODELS, classify_model="", translate_model=BUNDLE)) as client:
+        alone = await client.post("/translate", json={"texts": [first, second]})
+        together = await client.post("/translate", json={"text": f"{first}\n{second}"})
+        whole = await client.post("/translate", json={"text": f"{first}\n{second}", "split_sentences": False})
+    assert alone.status_code == together.status_code == whole.status_code == 200
+    (one, two), [joined] = alone.json()["translations"], together.json()["translations"]
+    assert joined == {"text": f"{one['text']}\n{two['text']}", "tokens": one["tokens"] + two["tokens"]}
+    # in one piece the second line got lost: the model saw one segment, and wrote one
+    assert "\n" not in whole.json()["translations"][0]["text"]
+
+
+async def test_the_decode_budget_and_the_length_limit_count_sentences():
+    settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE, max_decode_tokens_per_request=100)
+    three = "Open the file. Then save it. Close the window."
+    async with running_service(settings) as client:
+        over = await client.post("/translate", json={"text": three, "max_new_tokens": 40})
+        whole = await client.post("/translate", json={"text": three, "max_new_tokens": 40, "split_sentences": False})
+        paragraph = "Open it. Then " + "save it " * 150  # a short sentence, then one of 300 tokens
+        long = await client.post("/translate", json={"text": paragraph, "max_new_tokens": 20})
+        cut = await client.post("/translate", json={"text": paragraph, "max_new_tokens": 20, "truncate": True})
+    assert over.status_code == 413 and over.json()["error"]["code"] == "budget_exceeded"
+    assert "3 sentences x beam_size 1 x max_new_tokens 40 = 120 decode tokens" in over.json()["error"]["message"]
+    assert whole.status_code == 200, whole.text
+    assert long.status_code == 413 and long.json()["error"]["message"].startswith("a sentence of text 0 is ")
+    assert cut.status_code == 200 and len(cut.json()["translations"]) == 1, cut.text
