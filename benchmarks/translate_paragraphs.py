@@ -77,6 +77,7 @@ def sets(test: dict[str, list[tuple[str, str]]]) -> dict[str, list[tuple[str, st
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="benchmarks/translate_paragraphs.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="translate-linformer,translate-transformer")
+    parser.add_argument("--models-dir", type=Path, default=REPO / "models")
     parser.add_argument("--data", type=Path, default=REPO / ".cache" / "data" / "ende")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--name", default="translate-paragraphs")
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     test = sets(read_test(args.data / "test.tsv"))
     rows = []
     for name in args.models.split(","):
-        bundle = load_bundle(REPO / "models" / name)
+        bundle = load_bundle(args.models_dir / name)
         tokenizer, runtime = Tokenizer.from_bundle(bundle), translator(bundle)
         for set_name, pairs in test.items():
             sources, references = [en for en, _ in pairs], [de.replace("\n", " ") for _, de in pairs]

@@ -56,7 +56,8 @@ def _command_tail(train: dict, extra: dict) -> str:
     keep = (f" --save-every {train['save_every']} --keep-checkpoints {train['keep_checkpoints']}"
             if train.get("keep_checkpoints") else "")  # fmt: skip
     start = f" --data {extra['data']} --init-from {extra['init_from']['checkpoint']}" if extra.get("init_from") else ""
-    return keep + start + " --out RUN`"
+    device = f" --device {train['device']}" if train.get("device", "cpu") != "cpu" else ""
+    return keep + start + device + " --out RUN`"
 
 
 def _averaged_weights(extra: dict) -> list[str]:
@@ -270,9 +271,9 @@ def translator_card(config: dict, saved: dict, checkpoint: Path, notes: list[str
     ]
     if summary:
         lines += [
-            f"- Trained on {summary['processes']} process(es) x {summary['threads_per_process']} CPU thread(s) of a "
-            f"2-core machine; {summary['steps']} steps; wall time "
-            f"{summary['train_wall_s'] / 60:.1f} min.",
+            (f"- Trained on {summary['processes']} process(es) x {summary['threads_per_process']} CPU thread(s) of a "
+             "2-core machine" if summary.get("device", "cpu") == "cpu" else f"- Trained on one {summary['device']}")
+            + f"; {summary['steps']} steps; wall time {summary['train_wall_s'] / 60:.1f} min.",
             *(f"- {note}" for note in notes or []),
             "",
             "## Metrics",

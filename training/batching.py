@@ -55,3 +55,8 @@ def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]
         ids[row, : len(s)] = torch.tensor(s, dtype=torch.long)
         mask[row, : len(s)] = 1
     return ids, mask
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """A collated batch on the model's device (batches are built on the CPU)."""
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from training.batching import bucketed_batches
+from training.batching import bucketed_batches, to_device
 
 
 class Task(Protocol):
@@ -33,7 +33,7 @@ class Task(Protocol):
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]: ...
 
-    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]: ...
+    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]: ...  # on the model's device
 
 
 @dataclass
@@ -55,6 +55,7 @@ class TrainConfig:
     eval_every: int = 0  # when > 0, also evaluate on dev every this many steps (pretraining curves)
     keep_checkpoints: int = 0  # when > 0, also keep the weights of the last N save_every steps (for averaging)
     resume: bool = False
+    device: str = "cpu"  # where the model trains ("cuda" on a lent GPU machine); batches are built on the CPU
 
 
 def load_trained(checkpoint: Path, model_class: type[nn.Module]) -> tuple[nn.Module, dict]:
@@ -124,7 +125,7 @@ def train(task: Task, cfg: TrainConfig, extra: dict[str, Any] | None = None) -> 
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = task.model
+    model = task.model.to(cfg.device)
     wrapped = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     optimizer = optimizer_for(model, cfg)
 
@@ -179,7 +180,7 @@ def train(task: Task, cfg: TrainConfig, extra: dict[str, Any] | None = None) -> 
         batches = batches[: len(batches) // world * world][rank::world]  # equal share per process
         wrapped.train()
         for indices in batches[state["batch_in_epoch"] :]:
-            batch = task.collate(indices)
+            batch = to_device(task.collate(indices), cfg.device)
             loss, n_tokens = task.loss(wrapped, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -230,7 +231,7 @@ def train(task: Task, cfg: TrainConfig, extra: dict[str, Any] | None = None) -> 
 
     summary: dict[str, Any] = {}
     if rank == 0:
-        best = torch.load(out / "best.pt", map_location="cpu", weights_only=False)
+        best = torch.load(out / "best.pt", map_location=cfg.device, weights_only=False)
         model.load_state_dict(best["model"])
         summary = {
             "steps": state["step"],
@@ -238,6 +239,7 @@ def train(task: Task, cfg: TrainConfig, extra: dict[str, Any] | None = None) -> 
             "train_wall_s": round(state["elapsed_s"], 1),
             "processes": world,
             "threads_per_process": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else "cpu",
             "parameters": sum(p.numel() for p in model.parameters()),
             "best_dev_score": state["best_score"],
             "dev": task.evaluate(model, "dev"),

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import ModelConfig, Translator
-from training.batching import bucketed_batches, pad
+from training.batching import bucketed_batches, pad, to_device
 from training.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 LABEL_SMOOTHING = 0.1
@@ -87,9 +87,9 @@ class TranslateTask:
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         """Perplexity of the reference translations: exp(mean NLL per target token, EOS included)."""
         model.eval()
-        total_nll, total_tokens = 0.0, 0
+        total_nll, total_tokens, device = 0.0, 0, next(model.parameters()).device
         for indices in bucketed_batches(self.lengths(split), self.eval_max_tokens, 256):
-            batch = self.collate(indices, split)
+            batch = to_device(self.collate(indices, split), device)
             logits = model(batch["src_ids"], batch["src_mask"], batch["tgt_in"])
             total_nll += F.cross_entropy(
                 logits.flatten(0, 1), batch["tgt_out"].flatten(), ignore_index=PAD_ID, reduction="sum"
