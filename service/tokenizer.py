@@ -1,4 +1,5 @@
-"""Text -> token ids exactly as the bundle was trained: SentencePiece, then BOS/EOS per config.json."""
+"""Text -> token ids exactly as the bundle was trained: SentencePiece, then BOS/EOS per config.json; target ids ->
+text, carrying the source's unknown pieces over; and the sentence splitting /translate does before it encodes."""
 
 import re
 from dataclasses import dataclass
