@@ -10,7 +10,8 @@ tools read them.
     .venv/bin/python -m benchmarks.ctranslate2_server --bundle models/translate-transformer [--compute-type int8] \
         [--threads 1] [--port 8100]
 
-The bundle is converted by export/ctranslate2.py into .cache/ct2/<bundle name> on first start (seconds), and
+The bundle is converted by export/ctranslate2.py into .cache/ct2/<bundle name>-<manifest sha256, 12 digits> on
+first start (seconds; a retrained bundle of the same name is converted again), and
 its tokenizer and n_max are the service's, so both sides see the same token ids.
 """
 
@@ -26,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from fastapi import FastAPI, HTTPException  # noqa: E402
 
-from service.bundle import Bundle, load_bundle  # noqa: E402
+from service.bundle import Bundle, load_bundle, sha256_of  # noqa: E402
 from service.schemas import TranslateRequest, TranslateResponse  # noqa: E402
 from service.tokenizer import TextTooLong, Tokenizer  # noqa: E402
 
@@ -44,7 +45,9 @@ class CTranslate2Runtime:
 
         from export.ctranslate2 import convert, vocabulary
 
-        model_dir = model_dir or CONVERTED / bundle.name
+        # converted once per bundle version: a retrained bundle of the same name gets a conversion of its own
+        version = sha256_of(bundle.path / "manifest.json")[:12]
+        model_dir = model_dir or CONVERTED / f"{bundle.name}-{version}"
         if not (model_dir / "model.bin").exists():
             convert(bundle.path, model_dir)
         self.compute_type, self.threads = compute_type, threads
