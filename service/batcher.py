@@ -10,7 +10,7 @@ A batch is sent as soon as it is full or the runtime is free and the oldest item
 request is gone (client disconnected, deadline passed) are dropped before compute, and a runtime that
 works step by step (translation) stops a batch whose requests are all gone or past their deadline: it
 calls `stop_if_abandoned` between steps. The queue is bounded by cost (QueueFull -> 429): each text
-costs `cost` units, 1 for a classification, beam_size x max_new_tokens for a translation, so admission
+costs `cost` units, 1 for a classification, beam_size x the tokens it may generate for a translation, so admission
 follows the work asked for rather than the request count; Retry-After is the queued cost over the
 recent throughput in cost per second. A runtime error fails only its batch's requests (BatchFailed).
 The runtime call runs in a worker thread, off the event loop.
@@ -190,16 +190,18 @@ class Batcher:
         return len(self._queue)
 
     async def submit(
-        self, token_ids: list[list[int]], *, timeout_s: float, options: Hashable = None, cost: int = 1
+        self, token_ids: list[list[int]], *, timeout_s: float, options: Hashable = None, cost: int | list[int] = 1
     ) -> list:
-        """Queue one request's texts, each costing `cost`; return one output per text, in order.
+        """Queue one request's texts, each costing `cost` (or its own, one per text); return one output per text, in
+        order.
 
         Raises QueueFull, DeadlineExceeded, ShuttingDown or BatchFailed. If the caller is cancelled (its
         client went away), its items are dropped before compute.
         """
         if self._closing:
             raise ShuttingDown()
-        added_cost = cost * len(token_ids)
+        costs = [cost] * len(token_ids) if isinstance(cost, int) else cost
+        added_cost = sum(costs)
         if self._queued_cost + added_cost > self.max_queue:
             # items whose client left still count until the worker next looks: drop them before refusing (only
             # here, not on every submit: it walks the whole queue, which under load held most requests in flight)
@@ -208,7 +210,8 @@ class Batcher:
                 raise QueueFull(self._retry_after_s())
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        items = [_Item(ids, options, loop.create_future(), now, now + timeout_s, cost) for ids in token_ids]
+        items = [_Item(ids, options, loop.create_future(), now, now + timeout_s, c)
+                 for ids, c in zip(token_ids, costs, strict=True)]  # fmt: skip
         self._queue.extend(items)
         self._queued_cost += added_cost
         if self._depth_gauge is not None:

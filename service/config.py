@@ -30,11 +30,12 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(0.0, ge=0)
     # texts waiting for the classifier; beyond it requests get 429
     max_queue: int = Field(256, ge=1)
-    # Translation costs per generated token, so its queue is bounded by decode work, not by texts:
-    # the sum of beam_size x max_new_tokens over the texts waiting; beyond it requests get 429.
+    # Translation costs per generated token, so its queue is bounded by decode work, not by texts: the sum of
+    # beam_size x the tokens each waiting sentence may generate (max_new_tokens, capped at the target length and at
+    # twice its tokens + 16); beyond it requests get 429.
     max_queued_decode_tokens: int = Field(65536, ge=1)
-    # One /translate request may ask for at most this much decode work (texts x beam_size x max_new_tokens,
-    # max_new_tokens capped at the bundle's target length); more -> 413 naming the limit.
+    # One /translate request may ask for at most this much decode work (the same count over its sentences);
+    # more -> 413 naming the limit.
     max_decode_tokens_per_request: int = Field(16384, ge=1)
     # How /translate schedules decoding (policy in service/batcher.py). "step": continuous batching, new
     # sources join the decode loop between decoder steps and finished ones answer at once; "request": a batch

@@ -26,6 +26,7 @@ from service.errors import (
     invalid_request_body,
     unparseable_body_message,
 )
+from service.runtime import new_tokens_limit
 from service.schemas import (
     ClassifyRequest,
     ClassifyResponse,
@@ -36,7 +37,7 @@ from service.schemas import (
     TranslateRequest,
     TranslateResponse,
 )
-from service.tokenizer import TextTooLong, split_sentences
+from service.tokenizer import Encoded, TextTooLong, split_sentences
 
 router = APIRouter()
 
@@ -131,7 +132,7 @@ def _time_left_s(scope: Scope, state: ServiceState) -> float:
 
 async def _infer(
     scope: Scope, receive: Receive, state: ServiceState, model: ModelService, route: str, token_ids: list[list[int]],
-    options: Hashable = None, cost: int = 1,
+    options: Hashable = None, cost: int | list[int] = 1,
 ) -> list:
     """Queue the texts and await their outputs; a client that disconnects meanwhile is dropped: the watch cancels
     this task, and the batcher skips the texts of a cancelled request before compute."""
@@ -289,23 +290,22 @@ class TaskEndpoint:
             raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in errors]) from None
 
 
-def _check_decode_budget(model: ModelService, rows: str, n_rows: int, beam_size: int, max_new_tokens: int,
-                         limit: int) -> int:  # fmt: skip
-    """Decode work per row, a text or a sentence (beam_size x max_new_tokens, as the runtime caps it); 413 if the
-    request asks too much. `rows` names what the rows are ("texts", "sentences")."""
-    new_tokens = min(max_new_tokens, int(model.bundle.config.get("tgt_n_max", max_new_tokens)))
-    per_row = beam_size * new_tokens
-    if n_rows * per_row > limit:
-        asked = max_new_tokens
-        capped = f" (asked {asked}, capped at the model's target length)" if new_tokens < asked else ""
+def _decode_costs(model: ModelService, rows: str, encoded: list[Encoded], beam_size: int, max_new_tokens: int,
+                  limit: int) -> list[int]:  # fmt: skip
+    """Decode work per row, a sentence or a text: beam_size x the tokens it may generate (max_new_tokens, capped as
+    the runtime caps it: the model's target length, twice the source + 16); 413 if the request asks too much.
+    `rows` names what the rows are ("sentences", "texts")."""
+    tgt_n_max = int(model.bundle.config.get("tgt_n_max", max_new_tokens))
+    costs = [beam_size * new_tokens_limit(len(e.ids), max_new_tokens, tgt_n_max) for e in encoded]
+    if sum(costs) > limit:
         raise ServiceError(
             413, "budget_exceeded",
-            f"this request asks for {n_rows} {rows} x beam_size {beam_size} x max_new_tokens {new_tokens}{capped} = "
-            f"{n_rows * per_row} decode tokens, over this server's limit of {limit} "
-            "per request (LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST); send fewer texts, a smaller beam or a "
-            "smaller max_new_tokens",
+            f"this request's {len(costs)} {rows} x beam_size {beam_size} may generate {sum(costs)} decode tokens "
+            f"(max_new_tokens {max_new_tokens} each, at most the model's target length {tgt_n_max} and twice the "
+            f"source + 16), over this server's limit of {limit} per request "
+            "(LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST); send fewer texts, a smaller beam or a smaller max_new_tokens",
         )
-    return per_row
+    return costs
 
 
 async def translate_answer(state: ServiceState, body: TranslateRequest, scope: Scope, receive: Receive) -> bytes:
@@ -316,18 +316,17 @@ async def translate_answer(state: ServiceState, body: TranslateRequest, scope: S
     # each text's sentences, with the whitespace after each: they are translated one per row and joined again
     split = [split_sentences(text) if body.split_sentences else [(text, "")] for text in texts]
     sentences = [(t, sentence) for t, parts in enumerate(split) for sentence, _ in parts]
-    rows = "sentences" if body.split_sentences else "texts"
-    limit = state.settings.max_decode_tokens_per_request
-    cost = _check_decode_budget(model, rows, len(sentences), body.beam_size, body.max_new_tokens, limit)
     try:
         encoded = model.tokenizer.encode_all([sentence for _, sentence in sentences], truncate=body.truncate)
     except TextTooLong as e:
         t = sentences[e.index][0]
         what = "text {index}" if len(split[t]) == 1 else "a sentence of text {index}"
         raise ServiceError(413, "text_too_long", str(TextTooLong(t, e.n_tokens, e.n_max, what))) from None
+    costs = _decode_costs(model, "sentences" if body.split_sentences else "texts", encoded, body.beam_size,
+                          body.max_new_tokens, state.settings.max_decode_tokens_per_request)  # fmt: skip
     # the decoding runtime is batched per (beam_size, max_new_tokens): see Batcher's `options`
     outputs = iter(await _infer(scope, receive, state, model, "/translate", [e.ids for e in encoded],
-                                options=(body.beam_size, body.max_new_tokens), cost=cost))  # fmt: skip
+                                options=(body.beam_size, body.max_new_tokens), cost=costs))  # fmt: skip
     sources, translations = iter(encoded), []
     for parts in split:
         pieces, tokens = [], 0

@@ -84,8 +84,9 @@ class TranslateRequest(TaskRequest):
     max_new_tokens: Count = Field(
         256, ge=1, le=4096,
         description="At most this many tokens per translated sentence (per text with split_sentences false; also "
-                    "capped by the model's target length). sentences x beam_size x max_new_tokens must stay within "
-                    "the server's per-request budget (LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST), else 413.",
+                    "capped by the model's target length and by twice the sentence's tokens + 16). The tokens all "
+                    "sentences x beam_size may generate must stay within the server's per-request budget "
+                    "(LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST), else 413.",
     )  # fmt: skip
     split_sentences: bool = Field(
         True,

@@ -4,6 +4,7 @@ from the source into the translation, in order, instead of SentencePiece's " ⁇
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import make_settings, running_service
 
@@ -111,9 +112,12 @@ async def test_a_paragraph_is_translated_sentence_by_sentence_with_its_line_brea
     assert "\n" not in whole.json()["translations"][0]["text"]
 
 
-async def test_the_decode_budget_and_the_length_limit_count_sentences():
-    settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE, max_decode_tokens_per_request=100)
+async def test_the_decode_budget_and_the_length_limit_count_sentences(tokenizer):
     three = "Open the file. Then save it. Close the window."
+    # each sentence may generate min(max_new_tokens, 2 x its tokens + 16): the budget counts that, per sentence
+    sentences = tokenizer.encode_all([s for s, _ in split_sentences(three)], truncate=False)
+    asked = sum(min(40, 2 * len(e.ids) + 16) for e in sentences)
+    settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE, max_decode_tokens_per_request=asked - 1)
     async with running_service(settings) as client:
         over = await client.post("/translate", json={"text": three, "max_new_tokens": 40})
         whole = await client.post("/translate", json={"text": three, "max_new_tokens": 40, "split_sentences": False})
@@ -121,7 +125,25 @@ async def test_the_decode_budget_and_the_length_limit_count_sentences():
         long = await client.post("/translate", json={"text": paragraph, "max_new_tokens": 20})
         cut = await client.post("/translate", json={"text": paragraph, "max_new_tokens": 20, "truncate": True})
     assert over.status_code == 413 and over.json()["error"]["code"] == "budget_exceeded"
-    assert "3 sentences x beam_size 1 x max_new_tokens 40 = 120 decode tokens" in over.json()["error"]["message"]
-    assert whole.status_code == 200, whole.text
+    assert f"3 sentences x beam_size 1 may generate {asked} decode tokens" in over.json()["error"]["message"]
+    assert whole.status_code == 200, whole.text  # one row: at most 40
     assert long.status_code == 413 and long.json()["error"]["message"].startswith("a sentence of text 0 is ")
     assert cut.status_code == 200 and len(cut.json()["translations"]) == 1, cut.text
+
+
+def test_a_translation_may_be_at_most_twice_its_source_plus_16_tokens(tokenizer):
+    from service.app import make_runtime
+    from service.runtime import LiveDecode
+
+    bundle = load_bundle(MODELS / BUNDLE)
+    runtime = make_runtime(bundle, ["CPUExecutionProvider"], make_settings(MODELS, translate_model=BUNDLE))
+    live = LiveDecode(runtime)
+    ids = [e.ids for e in tokenizer.encode_all(["Click OK.", "Save the file now, please."], truncate=False)]
+    input_ids = np.zeros((2, max(map(len, ids))), np.int64)
+    mask = np.zeros_like(input_ids)
+    for row, seq in enumerate(ids):
+        input_ids[row, : len(seq)], mask[row, : len(seq)] = seq, 1
+    live.admit(input_ids, mask, [("ok", (1, 256)), ("save", (2, 20))])
+    limits = {search.key: search.max_new_tokens for search in live.searches}
+    assert limits == {"ok": 2 * len(ids[0]) + 16, "save": 20}  # max_new_tokens when it is the smaller
+    live.drop({"ok", "save"})
