@@ -172,7 +172,9 @@ def int8_card(config: dict, fp32_card: str) -> str:
         + ", ".join(f"`{name}` {digest}" for name, digest in source["onnx_sha256"].items()) + ".",
         f"- Check against fp32 ({check['inputs']}): max |logit difference| {check['max_abs_logit_diff']:.3g} "
         f"(largest fp32 logit {check['max_abs_fp32_logit']:.3g}); same argmax {agreement}. Accuracy, BLEU and "
-        "speed against fp32 on the test sets: `benchmarks/results/int8.md` (bundles of the same name re-made since are measured in the `int8-*.md` beside it, e.g. the retrained translators in `int8-translate-gpu-trained.md`).",
+        "speed against fp32 on the test sets: `benchmarks/results/int8.md` (bundles of the same name re-made "
+        "since are measured in the `int8-*.md` beside it: the retrained translators in "
+        "`int8-translate-gpu-trained.md`).",
         f"- Command: `{quant['command']}`",
         f"- Versions: {quant['versions']}.",
         "",
