@@ -150,7 +150,8 @@ class TranslatorRuntime:
 
     `run(input_ids, attention_mask, (beam_size, max_new_tokens), between_steps)` -> one list of target token
     ids per row (no BOS/EOS): a batch of whole requests decoded until its last sentence ends (options for every
-    row, or a list of them, one per row: each row keeps its own beam and length limit). `between_steps`
+    row, or a list of them, one per row: each row keeps its own beam and length limit, max_new_tokens capped by
+    `new_tokens_limit`: the target length and twice the row's source tokens + 16). `between_steps`
     is called before each decoder step; it raises to stop the batch (the batcher's does when nobody waits for
     the answers any more). `live()` gives the step-level form of the same decoding: a `LiveDecode` that sources
     join and leave between steps (service/batcher.py's StepBatcher decides who and when). The searches are the
