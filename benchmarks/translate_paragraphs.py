@@ -14,12 +14,14 @@ Joined sets join the references the same way; line breaks are scored as spaces.
 
     .venv/bin/python benchmarks/translate_paragraphs.py [--models translate-linformer,translate-transformer]
 
-Writes benchmarks/results/translate-paragraphs.{csv,md,png}.
+Also: what the vocabulary cannot spell (an emoji, a name in another script) inserted into help sources, and how
+many translations carry it over. Writes benchmarks/results/translate-paragraphs{,-unknowns}.{csv,md,png}.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 from pathlib import Path
 
@@ -40,25 +42,51 @@ from loadtest.report import (  # noqa: E402
     write_markdown,
 )
 from service.bundle import load_bundle  # noqa: E402
-from service.tokenizer import Tokenizer, split_sentences  # noqa: E402
+from service.tokenizer import Encoded, Tokenizer, split_sentences  # noqa: E402
+
+MARKS = ("😀", "李明")  # an emoji; a name in another script
 
 
-def translate(tokenizer: Tokenizer, runtime, pad_id: int, texts: list[str], split: bool) -> list[str]:
-    """Texts -> translations as /translate makes them, with or without sentence splitting."""
-    parts = [split_sentences(text) if split else [(text.strip(), "")] for text in texts]
-    rows = [sentence for text_parts in parts for sentence, _ in text_parts]
-    encoded = tokenizer.encode_all(rows, truncate=True)
-    outputs: list[str] = [""] * len(rows)
-    order = sorted(range(len(rows)), key=lambda i: len(encoded[i].ids))
+def decode_rows(runtime, pad_id: int, encoded: list[Encoded]) -> list[list[int]]:
+    """Target ids of every row, greedy, in length-sorted batches of 32."""
+    outputs: list[list[int]] = [[] for _ in encoded]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
     for start in range(0, len(order), 32):
         batch = order[start : start + 32]
         ids, mask = padded([encoded[i].ids for i in batch], pad_id)
         for i, out in zip(batch, runtime.run(ids, mask, (1, 256)), strict=True):
-            outputs[i] = tokenizer.decode(list(out), encoded[i].unknowns)
-    translated, row = [], iter(outputs)
-    for text_parts in parts:
-        translated.append("".join(next(row) + gap for _, gap in text_parts))
-    return translated
+            outputs[i] = out
+    return outputs
+
+
+def translate(tokenizer: Tokenizer, runtime, pad_id: int, texts: list[str], split: bool) -> list[str]:
+    """Texts -> translations as /translate makes them (service/tokenizer.py's translation_sources and
+    translations around the runtime), with or without sentence splitting."""
+    sources = tokenizer.translation_sources(texts, split=split, truncate=True)
+    outputs = decode_rows(runtime, pad_id, [source.encoded for source in sources])
+    return [translation["text"] for translation in tokenizer.translations(sources, outputs)]
+
+
+def with_mark(pairs: list[tuple[str, str]], mark: str, count: int = 200) -> list[str]:
+    """The first `count` sources of 5-40 words, each with `mark` inserted before a word chosen by a seeded draw."""
+    sources = [en for en, _ in pairs if 5 <= len(en.split()) <= 40][:count]
+    marked = []
+    for i, text in enumerate(sources):
+        words = text.split()
+        at = random.Random(i).randrange(1, len(words))
+        marked.append(" ".join([*words[:at], mark, *words[at:]]))
+    return marked
+
+
+def carried(tokenizer: Tokenizer, runtime, pad_id: int, texts: list[str], mark: str) -> dict:
+    """How many translations hold `mark` exactly once: as /translate makes them (placeholders), and with the unknown
+    piece alone (the source encoded as it is; an unknown piece the model writes gets the source's, in order)."""
+    service = translate(tokenizer, runtime, pad_id, texts, split=True)
+    encoded = tokenizer.encode_all(texts, truncate=True)
+    outputs = decode_rows(runtime, pad_id, encoded)
+    plain = [tokenizer.decode(out, e.unknowns) for e, out in zip(encoded, outputs, strict=True)]
+    return {"texts": len(texts), "placeholders": sum(t.count(mark) == 1 for t in service),
+            "unknown_piece": sum(t.count(mark) == 1 for t in plain)}  # fmt: skip
 
 
 def joined(pairs: list[tuple[str, str]], k: int, separator: str) -> list[tuple[str, str]]:
@@ -84,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     load_before = load_average()
     test = sets(read_test(args.data / "test.tsv"))
-    rows = []
+    rows, marks = [], []
     for name in args.models.split(","):
         bundle = load_bundle(args.models_dir / name)
         tokenizer, runtime = Tokenizer.from_bundle(bundle), translator(bundle)
@@ -101,12 +129,17 @@ def main(argv: list[str] | None = None) -> None:
                              "sentences_in_sources": texts,
                              **scores([h.replace("\n", " ") for h in hypotheses], references)})  # fmt: skip
                 print(rows[-1], flush=True)
-    write_report(args, rows, load_before)
+        for mark in MARKS:
+            texts = with_mark(test["help"], mark)
+            marks.append({"model": name, "mark": mark, **carried(tokenizer, runtime, bundle.pad_id, texts, mark)})
+            print(marks[-1], flush=True)
+    write_report(args, rows, marks, load_before)
 
 
-def write_report(args: argparse.Namespace, rows: list[dict], load_before: str) -> None:
+def write_report(args: argparse.Namespace, rows: list[dict], marks: list[dict], load_before: str) -> None:
     stem = args.out / args.name
     write_csv(stem.with_suffix(".csv"), rows)
+    write_csv(stem.with_name(f"{stem.name}-unknowns.csv"), marks)
     by = {(r["model"], r["set"], r["mode"]): r for r in rows}
     pairs = [{"model": m, "set": s, "texts": by[m, s, "whole"]["texts"],
               "sentences": by[m, s, "whole"]["sentences_in_sources"],
@@ -125,7 +158,17 @@ def write_report(args: argparse.Namespace, rows: list[dict], load_before: str) -
                                       "rep_whole": "repeat4 whole", "rep_split": "repeat4 by sentence"}),
               "", "Length ratio: the hypotheses' length over the references' (sacrebleu 13a tokens): below 1, words "
               "are missing. repeat4: the share of translations in which some word 4-gram occurs twice (the "
-              "references': 0-5 %).", "", f"![BLEU whole vs by sentence]({stem.name}.png)", ""]  # fmt: skip
+              "references': 0-5 %).", "",
+              "## What the vocabulary cannot spell", "",
+              f"The first 200 help test sources of 5-40 words, each with one mark inserted before a seeded word "
+              f"({', '.join(MARKS)}: characters the tokenizer has no piece for); how many translations hold it "
+              "exactly once, as /translate makes them (the mark replaced by a placeholder {1} in the source, and "
+              "back in the translation) and with the unknown piece alone (the source as it is; an unknown piece "
+              "the model writes gets the source's text, in order).", "",
+              *markdown_table(marks, {"model": "bundle", "mark": "mark", "texts": "texts",
+                                      "placeholders": "carried (placeholder, /translate)",
+                                      "unknown_piece": "carried (unknown piece only)"}), "",
+              f"![BLEU whole vs by sentence]({stem.name}.png)", ""]  # fmt: skip
     write_markdown(stem.with_suffix(".md"), lines)
     fig, axes = agg_subplots(1, 2, figsize=(12, 4.2))
     for ax, (key, title) in zip(axes, (("bleu", "BLEU"), ("chrf", "chrF")), strict=True):

@@ -37,7 +37,7 @@ from service.schemas import (
     TranslateRequest,
     TranslateResponse,
 )
-from service.tokenizer import Encoded, TextTooLong, split_sentences
+from service.tokenizer import Encoded, TextTooLong
 
 router = APIRouter()
 
@@ -313,28 +313,18 @@ async def translate_answer(state: ServiceState, body: TranslateRequest, scope: S
     model = serving_model(state, "translate")
     texts = body.all_texts
     _check_text_count(texts, state.settings.max_texts_per_request)
-    # each text's sentences, with the whitespace after each: they are translated one per row and joined again
-    split = [split_sentences(text) if body.split_sentences else [(text, "")] for text in texts]
-    sentences = [(t, sentence) for t, parts in enumerate(split) for sentence, _ in parts]
+    # each text's sentences (with the whitespace after each, what the vocabulary lacks as placeholders), one row each
     try:
-        encoded = model.tokenizer.encode_all([sentence for _, sentence in sentences], truncate=body.truncate)
+        sources = model.tokenizer.translation_sources(texts, split=body.split_sentences, truncate=body.truncate)
     except TextTooLong as e:
-        t = sentences[e.index][0]
-        what = "text {index}" if len(split[t]) == 1 else "a sentence of text {index}"
-        raise ServiceError(413, "text_too_long", str(TextTooLong(t, e.n_tokens, e.n_max, what))) from None
+        raise ServiceError(413, "text_too_long", str(e)) from None
+    encoded = [source.encoded for source in sources]
     costs = _decode_costs(model, "sentences" if body.split_sentences else "texts", encoded, body.beam_size,
                           body.max_new_tokens, state.settings.max_decode_tokens_per_request)  # fmt: skip
     # the decoding runtime is batched per (beam_size, max_new_tokens): see Batcher's `options`
-    outputs = iter(await _infer(scope, receive, state, model, "/translate", [e.ids for e in encoded],
-                                options=(body.beam_size, body.max_new_tokens), cost=costs))  # fmt: skip
-    sources, translations = iter(encoded), []
-    for parts in split:
-        pieces, tokens = [], 0
-        for _, gap in parts:
-            ids, source = next(outputs), next(sources)
-            pieces += [model.tokenizer.decode(list(ids), source.unknowns), gap]
-            tokens += len(ids)
-        translations.append({"text": "".join(pieces), "tokens": tokens})
+    outputs = await _infer(scope, receive, state, model, "/translate", [e.ids for e in encoded],
+                           options=(body.beam_size, body.max_new_tokens), cost=costs)  # fmt: skip
+    translations = model.tokenizer.translations(sources, outputs)
     return json.dumps({"model": model.bundle.name, "translations": translations}, ensure_ascii=False).encode()
 
 

@@ -52,6 +52,24 @@ class Encoded:
     unknowns: tuple[str, ...] = ()  # the text of each unknown piece (emoji, other scripts), in order: see decode
 
 
+# {1}, {2}, ... stand in a translation's source for what the vocabulary cannot spell: the translators copy such a
+# placeholder into their output (179 of 200 help sentences with an emoji, benchmarks/translate_paragraphs.py), where
+# they drop the unknown piece or write something else for it (46 of 200 came back that way)
+_PLACEHOLDER = re.compile(r"\{(\d+)\}")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One row of a translation request: a sentence of text `text` (or the whole text), encoded with placeholders
+    {first}, {first + 1}, ... for `spans`, and the whitespace that follows it in the text."""
+
+    text: int
+    encoded: Encoded
+    spans: tuple[str, ...]
+    first: int
+    gap: str
+
+
 class Tokenizer:
     def __init__(
         self, model_file: Path, *, bos_id: int, eos_id: int, add_bos: bool, add_eos: bool, n_max: int
@@ -94,6 +112,57 @@ class Tokenizer:
         pieces = self._sp.encode(text, return_type="proto").pieces[:n_pieces]
         # surface: the original characters; empty where normalisation made the piece (NFKC: ½ -> 1⁄2), then its text
         return tuple(piece.surface or piece.piece for piece in pieces if piece.id == self.unk_id)
+
+    def translation_sources(self, texts: list[str], *, split: bool, truncate: bool) -> list[Source]:
+        """/translate's rows: each text's sentences (the whole text unless `split`), each run of characters the
+        vocabulary cannot spell replaced by a placeholder, encoded. Raises TextTooLong naming the text."""
+        sources = []
+        for t, text in enumerate(texts):
+            parts = split_sentences(text) if split else [(text, "")]
+            for sentence, gap in parts:
+                protected, spans, first = self._protect(sentence)
+                try:
+                    [encoded] = self.encode_all([protected], truncate=truncate)
+                except TextTooLong as e:
+                    what = "text {index}" if len(parts) == 1 else "a sentence of text {index}"
+                    raise TextTooLong(t, e.n_tokens, e.n_max, what) from None
+                sources.append(Source(t, encoded, spans, first, gap))
+        return sources
+
+    def translations(self, sources: list[Source], outputs: list[list[int]]) -> list[dict]:
+        """The target ids of every row -> {"text", "tokens"} per text: rows decoded, placeholders back to what they
+        stand for, sentences joined with the text's own whitespace."""
+        texts: list[dict] = []
+        for source, ids in zip(sources, outputs, strict=True):
+            text = self.decode(list(ids), source.encoded.unknowns)
+            for n, span in enumerate(source.spans, source.first):
+                text = text.replace(f"{{{n}}}", span)
+            if source.text == len(texts):
+                texts.append({"text": "", "tokens": 0})
+            texts[-1]["text"] += text + source.gap
+            texts[-1]["tokens"] += len(ids)
+        return texts
+
+    def _protect(self, text: str) -> tuple[str, tuple[str, ...], int]:
+        """The text with each run of characters the vocabulary cannot spell replaced by {n} (numbered after any {n}
+        the text has of its own), those runs, and the first n."""
+        raw, runs = text.encode("utf-8"), []  # byte offsets, as SentencePiece gives them
+        if self.unk_id in self._sp.encode(text):
+            for piece in self._sp.encode(text, return_type="proto").pieces:
+                if piece.id == self.unk_id and piece.end > piece.begin:  # (NFKC-made pieces have no source bytes)
+                    if runs and runs[-1][1] == piece.begin:
+                        runs[-1] = (runs[-1][0], piece.end)
+                    else:
+                        runs.append((piece.begin, piece.end))
+        if not runs:
+            return text, (), 0
+        first = max((int(n) for n in _PLACEHOLDER.findall(text)), default=0) + 1
+        out, last = [], 0
+        for n, (begin, end) in enumerate(runs, first):
+            out += [raw[last:begin].decode("utf-8"), f"{{{n}}}"]
+            last = end
+        out.append(raw[last:].decode("utf-8"))
+        return "".join(out), tuple(raw[begin:end].decode("utf-8") for begin, end in runs), first
 
     def decode(self, ids: list[int], unknowns: tuple[str, ...] = ()) -> str:
         """Target ids -> text. An unknown piece the model wrote (SentencePiece renders it " ⁇ ") is replaced by the
