@@ -120,9 +120,12 @@ class Tokenizer:
         for t, text in enumerate(texts):
             parts = split_sentences(text) if split else [(text, "")]
             for sentence, gap in parts:
-                protected, spans, first = self._protect(sentence)
+                spans, first = (), 0
                 try:
-                    [encoded] = self.encode_all([protected], truncate=truncate)
+                    [encoded] = self.encode_all([sentence], truncate=truncate)
+                    if encoded.unknowns:  # placeholders for what the vocabulary cannot spell, then encoded again
+                        protected, spans, first = self._protect(sentence)
+                        [encoded] = self.encode_all([protected], truncate=truncate)
                 except TextTooLong as e:
                     what = "text {index}" if len(parts) == 1 else "a sentence of text {index}"
                     raise TextTooLong(t, e.n_tokens, e.n_max, what) from None
@@ -147,13 +150,12 @@ class Tokenizer:
         """The text with each run of characters the vocabulary cannot spell replaced by {n} (numbered after any {n}
         the text has of its own), those runs, and the first n."""
         raw, runs = text.encode("utf-8"), []  # byte offsets, as SentencePiece gives them
-        if self.unk_id in self._sp.encode(text):
-            for piece in self._sp.encode(text, return_type="proto").pieces:
-                if piece.id == self.unk_id and piece.end > piece.begin:  # (NFKC-made pieces have no source bytes)
-                    if runs and runs[-1][1] == piece.begin:
-                        runs[-1] = (runs[-1][0], piece.end)
-                    else:
-                        runs.append((piece.begin, piece.end))
+        for piece in self._sp.encode(text, return_type="proto").pieces:
+            if piece.id == self.unk_id and piece.end > piece.begin:  # (NFKC-made pieces have no source bytes)
+                if runs and runs[-1][1] == piece.begin:
+                    runs[-1] = (runs[-1][0], piece.end)
+                else:
+                    runs.append((piece.begin, piece.end))
         if not runs:
             return text, (), 0
         first = max((int(n) for n in _PLACEHOLDER.findall(text)), default=0) + 1
