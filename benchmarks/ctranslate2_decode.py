@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.ctranslate2_server import CTranslate2Runtime  # noqa: E402
-from benchmarks.int8 import interleaved_decoding, padded, translator  # noqa: E402
+from benchmarks.int8 import decode_in_batches, interleaved_decoding, padded, translator  # noqa: E402
 from loadtest.report import (  # noqa: E402
     agg_subplots,
     header,
@@ -95,16 +95,11 @@ def quality(decoders: dict, ids: list[list[int]], references: list[str], tokeniz
             batch: int = 32) -> list[dict]:  # fmt: skip
     import sacrebleu
 
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     outputs: dict[str, list[list[int]]] = {}
     seconds: dict[str, float] = {}
     for variant, decoder in decoders.items():
-        found: list[list[int]] = [[] for _ in ids]
         started = time.perf_counter()
-        for s in range(0, len(order), batch):
-            chosen = order[s : s + batch]
-            for i, out in zip(chosen, decoder.run(*padded([ids[i] for i in chosen], pad_id), (1, 256)), strict=True):
-                found[i] = out
+        found = decode_in_batches(decoder, ids, pad_id, (1, 256), batch)
         seconds[variant], outputs[variant] = time.perf_counter() - started, found
 
     def identical(a: list[list[int]], b: list[list[int]]) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.int8 import padded, translator  # noqa: E402
+from benchmarks.int8 import decode_in_batches, translator  # noqa: E402
 from benchmarks.translate_domains import read_test, scores  # noqa: E402
 from loadtest.report import (  # noqa: E402
     agg_subplots,
@@ -42,28 +42,16 @@ from loadtest.report import (  # noqa: E402
     write_markdown,
 )
 from service.bundle import load_bundle  # noqa: E402
-from service.tokenizer import Encoded, Tokenizer, split_sentences  # noqa: E402
+from service.tokenizer import Tokenizer, split_sentences  # noqa: E402
 
 MARKS = ("😀", "李明")  # an emoji; a name in another script
-
-
-def decode_rows(runtime, pad_id: int, encoded: list[Encoded]) -> list[list[int]]:
-    """Target ids of every row, greedy, in length-sorted batches of 32."""
-    outputs: list[list[int]] = [[] for _ in encoded]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
-    for start in range(0, len(order), 32):
-        batch = order[start : start + 32]
-        ids, mask = padded([encoded[i].ids for i in batch], pad_id)
-        for i, out in zip(batch, runtime.run(ids, mask, (1, 256)), strict=True):
-            outputs[i] = out
-    return outputs
 
 
 def translate(tokenizer: Tokenizer, runtime, pad_id: int, texts: list[str], split: bool) -> list[str]:
     """Texts -> translations as /translate makes them (service/tokenizer.py's translation_sources and
     translations around the runtime), with or without sentence splitting."""
     sources = tokenizer.translation_sources(texts, split=split, truncate=True)
-    outputs = decode_rows(runtime, pad_id, [source.encoded for source in sources])
+    outputs = decode_in_batches(runtime, [source.encoded.ids for source in sources], pad_id)
     return [translation["text"] for translation in tokenizer.translations(sources, outputs)]
 
 
@@ -83,7 +71,7 @@ def carried(tokenizer: Tokenizer, runtime, pad_id: int, texts: list[str], mark: 
     piece alone (the source encoded as it is; an unknown piece the model writes gets the source's, in order)."""
     service = translate(tokenizer, runtime, pad_id, texts, split=True)
     encoded = tokenizer.encode_all(texts, truncate=True)
-    outputs = decode_rows(runtime, pad_id, encoded)
+    outputs = decode_in_batches(runtime, [e.ids for e in encoded], pad_id)
     plain = [tokenizer.decode(out, e.unknowns) for e, out in zip(encoded, outputs, strict=True)]
     return {"texts": len(texts), "placeholders": sum(t.count(mark) == 1 for t in service),
             "unknown_piece": sum(t.count(mark) == 1 for t in plain)}  # fmt: skip
