@@ -51,7 +51,16 @@ def read_run(run: Path) -> dict:
     config, train = saved["model_config"], saved["train_config"]
     elapsed = max((r.get("elapsed_s", 0) for r in records), default=0)
     return {"run": run.name, "label": describe(config), "curve": curve, "train": train, "minutes": elapsed / 60,
-            "finished": summary is not None, "data": (summary or {}).get("data")}  # fmt: skip
+            "finished": summary is not None, "data": (summary or {}).get("data"),
+            "where": _where(train, summary)}  # fmt: skip
+
+
+def _where(train: dict, summary: dict | None) -> str:
+    """Where a run trained: its device (the summary names a GPU), or its CPU threads."""
+    device = (summary or {}).get("device") or train.get("device", "cpu")
+    if device != "cpu":
+        return f"{device}, {train.get('threads') or 'default'} CPU threads for its batches"
+    return f"{train.get('threads') or 'default'} CPU thread(s)"
 
 
 def _configs_from_checkpoint(run: Path) -> dict:
@@ -115,17 +124,17 @@ def main(argv: list[str] | None = None) -> None:
         f"Validation MLM perplexity on the same fixed masks (`{args.runs[0].parent}/*/metrics.jsonl`). Recipe "
         f"(every run): peak lr {train.get('lr')}, {train.get('warmup_steps')} warm-up steps, cosine schedule over "
         f"{train.get('schedule_steps') or train.get('max_steps')} steps, batches of {train.get('max_tokens')} tokens "
-        "(512-token sequences), 1 CPU thread each. Runs marked short were stopped before the end of the same "
+        "(512-token sequences). Runs marked short were stopped before the end of the same "
         "schedule (`--schedule-steps`), so every point compares at equal updates and equal learning rate.",
         "",
         f"A model that ignores the context (training-set token frequencies) scores {floor:.0f} on the same tokens."
         if floor else "",
         "",
-        "| run | model | steps | wall (min) |",
-        "|---|---|---|---|",
+        "| run | model | steps | wall (min) | trained on |",
+        "|---|---|---|---|---|",
         *(f"| `{run['run']}` | {run['label']} | {max(run['curve'])}{'' if run['finished'] else ' (unfinished)'}"
           f"{' (short)' if run['train'].get('schedule_steps', 0) > run['train'].get('max_steps', 0) else ''}"
-          f" | {run['minutes']:.1f} |" for run in runs),  # fmt: skip
+          f" | {run['minutes']:.1f} | {run['where']} |" for run in runs),  # fmt: skip
         "",
         "Perplexity at equal updates:",
         "",

@@ -63,6 +63,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-checkpoints", type=int, default=0,
                    help="also keep the weights of the last N --save-every steps (for checkpoint averaging)")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--device", default="cpu", help="where the model trains and evaluates, e.g. cuda on a GPU machine "
+                   "(batches are built on the CPU)")
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -71,7 +73,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_tokens=args.max_tokens,
         max_batch=args.max_batch, seed=args.seed, threads=args.threads, save_every=args.save_every,
         eval_every=args.eval_every, keep_checkpoints=args.keep_checkpoints, resume=args.resume,
-        device=getattr(args, "device", "cpu"),
+        device=args.device,
     )  # fmt: skip
 
 
@@ -180,8 +182,6 @@ def main(argv: list[str] | None = None) -> None:
                            help="decoder attention over the source (default: as --attention)")
     translate.add_argument("--init-from", help="a translate checkpoint of the same architecture to start from (e.g. "
                            "one rebuilt from a served bundle by python -m training.recover_translate)")
-    translate.add_argument("--device", default="cpu", help="where the model trains, e.g. cuda on a GPU machine "
-                           "(batches are built on the CPU; translate only: the other tasks evaluate on the CPU)")
     add_train_args(translate)
     translate.set_defaults(run=run_translate, n_max=256, n_layers=3, k=[64])
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import Classifier, ModelConfig
-from training.batching import bucketed_batches, pad
+from training.batching import bucketed_batches, pad, to_device
 from training.tokenizer import BOS_ID, PAD_ID
 
 LABELS = ["negative", "positive"]
@@ -68,12 +68,12 @@ class ClassifyTask:
     def evaluate(self, model: nn.Module, split: str) -> dict[str, float]:
         model.eval()
         seqs, _ = self.splits[split]
-        right, total_loss = torch.zeros(len(seqs), dtype=torch.bool), 0.0
+        right, total_loss, device = torch.zeros(len(seqs), dtype=torch.bool), 0.0, next(model.parameters()).device
         for indices in bucketed_batches([len(s) for s in seqs], self.eval_max_tokens, 256):
-            batch = self.collate(indices, split)
+            batch = to_device(self.collate(indices, split), device)
             logits = model(batch["input_ids"], batch["attention_mask"])
             total_loss += F.cross_entropy(logits, batch["labels"], reduction="sum").item()
-            right[indices] = logits.argmax(-1) == batch["labels"]
+            right[indices] = (logits.argmax(-1) == batch["labels"]).cpu()
         model.train()
         accuracy = right.float().mean().item()
         metrics = {"score": accuracy, "accuracy": accuracy, "loss": total_loss / len(seqs)}

@@ -79,11 +79,13 @@ class PretrainTask:
     def evaluate(self, model: nn.Module, split: str, batch_size: int = 16) -> dict[str, float]:
         assert split in ("dev", "test"), split  # the corpus has one held-out split; test scores it too
         model.eval()
-        inputs, predict_at = self.dev
+        device = next(model.parameters()).device
+        inputs, predict_at = (t.to(device) for t in self.dev)
+        dev_labels = self.dev_labels.to(device)
         total_loss, correct, count = 0.0, 0, 0
         for start in range(0, inputs.shape[0], batch_size):
             rows = slice(start, start + batch_size)
-            labels = self.dev_labels[rows][predict_at[rows]]
+            labels = dev_labels[rows][predict_at[rows]]
             logits = model(inputs[rows], torch.ones_like(inputs[rows]), predict_at[rows])
             total_loss += F.cross_entropy(logits, labels, reduction="sum").item()
             correct += int((logits.argmax(-1) == labels).sum())
