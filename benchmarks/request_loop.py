@@ -8,10 +8,12 @@ service/__main__.py does, into a file) and drives it with `--concurrency` concur
 straight into the ASGI app (the request middleware, POST /classify, the batcher, the runtime). It reports the
 CPU time of the event-loop thread per request (what the request path costs the loop, without uvicorn's protocol
 and the kernel's socket work) and of the whole process (the inference thread and `session.run` included).
-The service's code comes from the working tree or, for `--baseline REF`, from `git archive REF service` (with
-LINFORMER_* settings of its own after the ref; `.` is the working tree, e.g. `.,LINFORMER_LOG_LEVEL=info`).
-Variants take turns within each round, so a comparison is interleaved in time; the medians over the rounds go
-to request_loop_<bundle>.{csv,md,png}.
+`--no-model`: the classifier's `run` answers zeros without calling ONNX Runtime (the bundle still loads), so
+what is measured is the request path alone, the batcher's trip to its compute thread and back included, free of
+the model's own run-to-run noise. The service's code comes from the working tree or, for `--baseline REF`, from
+`git archive REF service` (with LINFORMER_* settings of its own after the ref; `.` is the working tree, e.g.
+`.,LINFORMER_LOG_LEVEL=info`). Variants take turns within each round, so a comparison is interleaved in time;
+the medians over the rounds go to request_loop_<bundle>[-no-model].{csv,md,png}.
 """
 
 from __future__ import annotations
@@ -42,7 +44,22 @@ from loadtest.report import (  # noqa: E402
 )
 
 
-def child(code_dir: Path, body: bytes, requests: int, concurrency: int) -> dict:
+class _NoModel:
+    """A classifier runtime's stand-in for --no-model: logits of zeros, no session.run."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def run(self, input_ids, attention_mask):
+        import numpy as np
+
+        return np.zeros((len(input_ids), 2), np.float32)
+
+    def __getattr__(self, name: str):
+        return getattr(self.runtime, name)
+
+
+def child(code_dir: Path, body: bytes, requests: int, concurrency: int, no_model: bool = False) -> dict:
     """Runs in the measuring process: the app from `code_dir`, driven in-process; -> CPU per request."""
     sys.path.insert(0, str(code_dir))
     os.sched_setaffinity(0, {0})
@@ -64,7 +81,7 @@ def child(code_dir: Path, body: bytes, requests: int, concurrency: int) -> dict:
                             format="time=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s")  # fmt: skip
     else:
         configure_logging(settings, log_file)
-    app = create_app(settings)
+    app = create_app(settings, wrap_runtime=_NoModel if no_model else None)
     headers = [(b"host", b"service"), (b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]  # fmt: skip
 
@@ -92,29 +109,38 @@ def child(code_dir: Path, body: bytes, requests: int, concurrency: int) -> dict:
         if statuses != [200]:
             raise RuntimeError(f"the service answered {statuses}")
 
+    latencies: list[float] = []
+
     async def client(count: int) -> None:
         for _ in range(count):
+            started = time.perf_counter()
             await one_request()
+            latencies.append(time.perf_counter() - started)
 
     async def drive() -> dict:
         async with app.router.lifespan_context(app):
             await asyncio.gather(*(client(50) for _ in range(concurrency)))  # warm-up
+            latencies.clear()
             per_client = requests // concurrency
             loop_started, process_started, started = time.thread_time(), time.process_time(), time.perf_counter()
             await asyncio.gather(*(client(per_client) for _ in range(concurrency)))
             loop_s, process_s = time.thread_time() - loop_started, time.process_time() - process_started
             elapsed = time.perf_counter() - started
             done = per_client * concurrency
-            return {"loop_us": loop_s / done * 1e6, "process_us": process_s / done * 1e6, "rps": done / elapsed}
+            return {"loop_us": loop_s / done * 1e6, "process_us": process_s / done * 1e6, "rps": done / elapsed,
+                    "p50_us": statistics.median(latencies) * 1e6}  # fmt: skip
 
     result = uvloop.run(drive())
     os.unlink(log_file.name)
     return result
 
 
-def measure(code_dir: Path, env: dict[str, str], body_file: Path, requests: int, concurrency: int) -> dict:
+def measure(
+    code_dir: Path, env: dict[str, str], body_file: Path, requests: int, concurrency: int, no_model: bool
+) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(code_dir), str(body_file), str(requests), str(concurrency)],
+        [sys.executable, __file__, "--child", str(code_dir), str(body_file), str(requests), str(concurrency),
+         str(int(no_model))],
         env={**os.environ, **env}, capture_output=True, text=True, check=True, cwd=code_dir,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -122,8 +148,9 @@ def measure(code_dir: Path, env: dict[str, str], body_file: Path, requests: int,
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        code_dir, body_file, requests, concurrency = sys.argv[2:6]
-        print(json.dumps(child(Path(code_dir), Path(body_file).read_bytes(), int(requests), int(concurrency))))
+        code_dir, body_file, requests, concurrency, no_model = sys.argv[2:7]
+        result = child(Path(code_dir), Path(body_file).read_bytes(), int(requests), int(concurrency), no_model == "1")
+        print(json.dumps(result))
         return
     from benchmarks.service_bench import text_of_length
     from service.bundle import load_bundle
@@ -136,6 +163,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", metavar="GIT_REF[,KEY=VALUE...]", nargs="*", default=[])
+    parser.add_argument("--no-model", action="store_true", help="the runtime answers zeros: the request path alone")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
 
@@ -169,17 +197,20 @@ def main() -> None:
     for round_ in range(args.rounds):
         for tokens in args.tokens:
             for name, code_dir, variant_env in variants:
-                result = measure(code_dir, variant_env, bodies[tokens], args.requests, args.concurrency)
+                result = measure(code_dir, variant_env, bodies[tokens], args.requests, args.concurrency, args.no_model)
                 runs.setdefault((tokens, name), []).append(result)
                 print(f"round {round_ + 1}, {tokens} tokens, {name}: loop {result['loop_us']:.1f} µs/request, "
-                      f"process {result['process_us']:.1f} µs/request, {result['rps']:.0f} req/s", flush=True)
+                      f"process {result['process_us']:.1f} µs/request, {result['rps']:.0f} req/s, "
+                      f"p50 {result['p50_us']:.1f} µs", flush=True)
     rows = [{"tokens": tokens, "service": name,
              "loop_us": round(statistics.median(r["loop_us"] for r in results), 1),
              "loop_us_range": "–".join(f"{f(r['loop_us'] for r in results):.1f}" for f in (min, max)),
              "process_us": round(statistics.median(r["process_us"] for r in results), 1),
+             "process_us_range": "–".join(f"{f(r['process_us'] for r in results):.1f}" for f in (min, max)),
+             "p50_us": round(statistics.median(r["p50_us"] for r in results), 1),
              "rps": round(statistics.median(r["rps"] for r in results))}
             for (tokens, name), results in runs.items()]  # fmt: skip
-    stem = f"request_loop_{bundle.name}"
+    stem = f"request_loop_{bundle.name}" + ("-no-model" if args.no_model else "")
     write_csv(args.out / f"{stem}.csv", rows)
     plot(rows, args.out / f"{stem}.png")
     lines = header(f"The event loop's CPU per /classify request, in-process: {bundle.name}",
@@ -189,10 +220,13 @@ def main() -> None:
         f"{args.requests} requests of one text, {args.concurrency} at a time, straight into its ASGI app (no "
         "sockets, no uvicorn protocol). CPU per request of the event-loop thread and of the whole process "
         f"(inference thread included); medians of {args.rounds} rounds, the variants interleaved in each round. "
-        "Log level warning unless a row says otherwise, the access log written to a file.",
+        "Log level warning unless a row says otherwise, the access log written to a file."
+        + (" **No model**: the runtime answers zeros without `session.run` (`--no-model`): the request path alone."
+           if args.no_model else ""),
         "",
         *markdown_table(rows, {"tokens": "tokens", "service": "service", "loop_us": "event loop CPU (µs/request)",
                                "loop_us_range": "its range", "process_us": "process CPU (µs/request)",
+                               "process_us_range": "its range", "p50_us": "p50 latency (µs)",
                                "rps": "requests/s"}),  # fmt: skip
         "",
         f"![event loop CPU per request]({stem}.png)",

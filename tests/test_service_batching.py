@@ -3,13 +3,14 @@
 import asyncio
 import json
 import re
+import threading
 import time
 
 import numpy as np
 import pytest
 from conftest import SlowRuntime, make_settings, running_service
 
-from service.batcher import Batcher, DeadlineExceeded, QueueFull
+from service.batcher import Batcher, DeadlineExceeded, QueueFull, _ComputeThread
 
 pytestmark = pytest.mark.anyio
 
@@ -280,6 +281,27 @@ async def test_expired_items_are_failed_not_computed():
     await first
     await batcher.close()
     assert runtime.batches == [[1]]
+
+
+async def test_the_compute_thread_answers_in_order_raises_its_errors_and_outlives_a_cancelled_caller():
+    loop_errors = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
+    thread = _ComputeThread("test-compute")
+    names = await asyncio.gather(*(thread.call(lambda i=i: (i, threading.current_thread().name)) for i in range(5)))
+    assert names == [(i, "test-compute") for i in range(5)]  # one thread, calls in the order given
+
+    def fail():
+        raise ValueError("runtime broke")
+
+    with pytest.raises(ValueError, match="runtime broke"):
+        await thread.call(fail)
+    slow = asyncio.ensure_future(thread.call(time.sleep, 0.1))
+    await asyncio.sleep(0.01)
+    slow.cancel()  # its answer arrives for nobody: dropped, not an InvalidStateError on the loop
+    assert await thread.call(lambda: "next") == "next"
+    assert loop_errors == []
+    thread.close()
+    assert not thread._thread.is_alive()
 
 
 def test_padding_leaves_real_tokens_first():
