@@ -17,7 +17,8 @@ import swagger_ui_bundle
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.staticfiles import StaticFiles
-from starlette.types import ASGIApp
+from starlette.applications import Starlette
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.batcher import Batcher, StepBatcher
 from service.bundle import Bundle, BundleError, load_bundle
@@ -137,6 +138,23 @@ class ServiceApp(FastAPI):
     and POST /classify and /translate go straight to their plain ASGI endpoints."""
 
     request_context: RequestContextMiddleware | None = None  # built with the stack, on the first request
+    # FastAPI asks OpenTelemetry on every request whether a tracer, meter or logger provider is configured (its
+    # native telemetry). Asked once when the app starts instead: providers are configured before that (the
+    # `opentelemetry-instrument` wrapper, or code run before `python -m service`), and with none, requests go
+    # straight to Starlette's call, as FastAPI's own does then.
+    telemetry_off = False
+
+    def decide_telemetry(self) -> None:
+        native = getattr(self, "_native_telemetry", None)  # a FastAPI without it: its own call, as before
+        self.telemetry_off = native is not None and not native.enabled()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.telemetry_off and scope["type"] == "http":
+            if self.root_path:
+                scope["root_path"] = self.root_path
+            await Starlette.__call__(self, scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
     def build_middleware_stack(self) -> ASGIApp:
         state = self.state.service
@@ -179,7 +197,8 @@ def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper
     state = ServiceState(settings=settings, metrics=Metrics())
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: ServiceApp):
+        app.decide_telemetry()
         try:
             load_models(state, wrap_runtime)
         except BundleError as e:

@@ -5,6 +5,7 @@ import re
 import shutil
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from conftest import TINY_N_MAX, make_settings, running_service
@@ -227,3 +228,27 @@ def test_the_readme_documents_every_setting_with_its_default():
             assert float(cell) == default, variable
         else:
             assert cell == str(default), variable
+
+
+@pytest.mark.parametrize("providers_configured", [False, True])
+async def test_fastapis_telemetry_check_is_made_once_at_start_up(models_dir, monkeypatch, providers_configured):
+    from service.app import create_app
+
+    app = create_app(make_settings(models_dir, translate_model=""))
+    asked = []
+
+    def enabled():
+        asked.append(1)
+        return providers_configured
+
+    monkeypatch.setattr(app._native_telemetry, "enabled", enabled)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+            for _ in range(3):
+                response = await client.post("/classify", json={"text": "A fine film."})
+                assert response.status_code == 200
+    # without providers: asked at start-up only, and requests skip FastAPI's per-request check; with one
+    # configured: FastAPI's own call, which asks on every request (and traces it)
+    assert app.telemetry_off is not providers_configured
+    assert len(asked) == (1 if not providers_configured else 1 + 3)
