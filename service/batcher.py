@@ -351,12 +351,15 @@ class Batcher:
         # closest in length first, older first among equals: less padding, no starvation of the oldest
         candidates.sort(key=lambda item: abs(item.length - oldest.length))
         batch, longest, full = [oldest], oldest.length, False
+        limits: dict[int, int] = {}  # padded length -> its size limit, looked up once per plan
         for item in candidates:
             if len(batch) == self.max_batch_size:
                 full = True
                 break
             new_longest = max(longest, item.length)
-            if len(batch) + 1 > self._batch_size_limit(new_longest):
+            if new_longest not in limits:
+                limits[new_longest] = self._batch_size_limit(new_longest)
+            if len(batch) + 1 > limits[new_longest]:
                 full = True  # this one would bust the token budget or its length's size; waiting cannot make it fit
                 continue
             batch.append(item)
