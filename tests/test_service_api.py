@@ -235,6 +235,8 @@ async def test_fastapis_telemetry_check_is_made_once_at_start_up(models_dir, mon
     from service.app import create_app
 
     app = create_app(make_settings(models_dir, translate_model=""))
+    if not hasattr(app, "_native_telemetry"):
+        pytest.skip("this FastAPI has no native telemetry: its own call is used, nothing to decide")
     asked = []
 
     def enabled():
