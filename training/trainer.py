@@ -33,7 +33,7 @@ class Task(Protocol):
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]: ...
 
-    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]: ...  # translate: on the model's device
+    def evaluate(self, model: nn.Module, split: str) -> dict[str, float]: ...  # on the model's device
 
 
 @dataclass
