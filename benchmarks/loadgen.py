@@ -95,6 +95,23 @@ class Server:
                 return int(line.split()[1]) / 1024
         return float("nan")
 
+    def cpu_s(self) -> tuple[float, float]:
+        """CPU seconds so far of the server's event-loop thread (its main thread) and of its other threads."""
+        tick = os.sysconf("SC_CLK_TCK")
+        loop = other = 0.0
+        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+            try:
+                stat = Path(f"/proc/{self.proc.pid}/task/{tid}/stat").read_text()
+            except OSError:  # the thread ended meanwhile
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # after the name, which may hold spaces
+            seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            if int(tid) == self.proc.pid:
+                loop += seconds
+            else:
+                other += seconds
+        return loop, other
+
     def stop(self, sig: int = 15, timeout_s: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,6 +34,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.loadgen import (  # noqa: E402
     REVIEW,
     Record,
+    Server,
     classify_server_on_core_0,
     closed_loop,
     open_loop,
@@ -88,13 +90,25 @@ def recovery_s(rows: list[dict], flood_end_s: float, p99_limit_ms: float, end_s:
     return None
 
 
-def saturation_run(port: int, request: bytes, concurrencies: list[int], when: str) -> list[dict]:
+def core_shares(server: Server, before: tuple[float, float, float]) -> dict:
+    """The server's share of its core since `before` (= `cpu_mark(server)`): event-loop thread, other threads."""
+    loop, other, wall = cpu_mark(server)
+    elapsed = wall - before[2]
+    return {"loop_share": (loop - before[0]) / elapsed, "other_share": (other - before[1]) / elapsed}
+
+
+def cpu_mark(server: Server) -> tuple[float, float, float]:
+    return (*server.cpu_s(), time.perf_counter())
+
+
+def saturation_run(server: Server, request: bytes, concurrencies: list[int], when: str) -> list[dict]:
     """Closed-loop keep-alive clients at each concurrency, 8 s each: the unloaded saturated throughput and p99."""
     rows = []
     for clients in concurrencies:
         seconds = 8.0
-        summary = summarise(asyncio.run(closed_loop(port, request, clients, seconds)), seconds)
-        rows.append({"when": when, "clients": clients, **summary})
+        mark = cpu_mark(server)
+        summary = summarise(asyncio.run(closed_loop(server.port, request, clients, seconds)), seconds)
+        rows.append({"when": when, "clients": clients, **summary, **core_shares(server, mark)})
         print(f"closed loop {when} the flood, {clients} clients: {summary}", flush=True)
     return rows
 
@@ -103,8 +117,19 @@ def best(saturation: list[dict]) -> dict:
     return max(saturation, key=lambda row: row["throughput_rps"])
 
 
-def judge_round(number: int, records: list[Record], before: list[dict], after: list[dict], seconds: float) -> dict:
+async def flood_round(server: Server, request: bytes, phases: list[tuple[float, float]]) -> tuple[list[Record], dict]:
+    """The open-loop phases, and the server's core shares during the first (the flood)."""
+    load = asyncio.create_task(open_loop(server.port, request, phases))
+    mark = cpu_mark(server)
+    await asyncio.sleep(phases[0][0])
+    shares = core_shares(server, mark)
+    return await load, shares
+
+
+def judge_round(number: int, flood_round: tuple[list[Record], dict], before: list[dict], after: list[dict],
+                seconds: float) -> dict:  # fmt: skip
     """One flood and its calm phase, against the saturation phases right before and after it."""
+    records, shares = flood_round
     saturated_rps = (best(before)["throughput_rps"] + best(after)["throughput_rps"]) / 2
     unloaded_p99 = best(before)["p99_ms"]
     flood = summarise([r for r in records if r.due_s < seconds], seconds)
@@ -117,7 +142,8 @@ def judge_round(number: int, records: list[Record], before: list[dict], after: l
         "requests": flood["requests"], "rejected_429": flood["rejected_429"], "failures": failures,
         "p50_ms": flood["p50_ms"], "p99_ms": flood["p99_ms"], "unloaded_p99_ms": unloaded_p99,
         "p99_ratio": flood["p99_ms"] / unloaded_p99, "lag_p99_ms": flood["generator_lag_p99_ms"],
-        "recovery_s": recovery_s(rows, seconds, 3 * unloaded_p99, seconds + CALM_PHASE_S), "windows": rows,
+        "recovery_s": recovery_s(rows, seconds, 3 * unloaded_p99, seconds + CALM_PHASE_S), **shares,
+        "loop_share_unloaded": best(before)["loop_share"], "windows": rows,
     }  # fmt: skip
 
 
@@ -172,23 +198,23 @@ def main() -> None:
     port = server.port
     request = post_request("/classify", json.dumps({"text": REVIEW}).encode())
     concurrencies = [int(clients) for clients in args.concurrencies.split(",")]
-    floods: list[list[Record]] = []
+    floods: list[tuple[list[Record], dict]] = []
     try:
         asyncio.run(closed_loop(port, request, 8, 3.0))  # warm-up
-        saturations = [saturation_run(port, request, concurrencies, "before round 1")]
+        saturations = [saturation_run(server, request, concurrencies, "before round 1")]
         saturated_first = best(saturations[0])["throughput_rps"]
         flood_rate, calm_rate = args.factor * saturated_first, 0.5 * saturated_first  # the same in every round
         rss = [server.rss_mb()]
         for number in range(1, args.rounds + 1):
             phases = [(args.seconds, flood_rate), (CALM_PHASE_S, calm_rate)]
-            floods.append(asyncio.run(open_loop(port, request, phases)))
+            floods.append(asyncio.run(flood_round(server, request, phases)))
             rss.append(server.rss_mb())
             when = f"after round {number}" + (f", before round {number + 1}" if number < args.rounds else "")
-            saturations.append(saturation_run(port, request, concurrencies, when))
+            saturations.append(saturation_run(server, request, concurrencies, when))
     finally:
         exit_code = server.stop()
-    rounds = [judge_round(i + 1, records, saturations[i], saturations[i + 1], args.seconds)
-              for i, records in enumerate(floods)]  # fmt: skip
+    rounds = [judge_round(i + 1, flood, saturations[i], saturations[i + 1], args.seconds)
+              for i, flood in enumerate(floods)]  # fmt: skip
     goodput = sum(judged["goodput"] for judged in rounds) / len(rounds)
     worst_p99 = max(judged["p99_ratio"] for judged in rounds)
     failures = sum(judged["failures"] for judged in rounds)
@@ -224,13 +250,16 @@ def main() -> None:
         "each round's goodput is divided by the mean saturated throughput of the phases right before and after it, "
         "so that a drift of the shared core's speed (22 % within seconds for the model alone on some VMs) falls on "
         "both. Server RSS (MB) before the first round and after each: "
-        f"{', '.join(f'{mb:.0f}' for mb in rss)}; exit code on SIGTERM {exit_code}.",
+        f"{', '.join(f'{mb:.0f}' for mb in rss)}; exit code on SIGTERM {exit_code}. The shares of the core are the "
+        "server's CPU time over the phase's wall time, from /proc: its event-loop thread (HTTP, admission and every "
+        "refusal, parsing, tokenising, answers) and its other threads (the model's compute thread).",
         "",
         "## Unloaded saturation phases",
         "",
         *markdown_table([row for phase in saturations for row in phase],
                         {"when": "when", "clients": "clients", "throughput_rps": "200/s", "p50_ms": "p50 ms",
-                         "p99_ms": "p99 ms", "rejected_429": "429", "errors_5xx": "5xx"}),
+                         "p99_ms": "p99 ms", "rejected_429": "429", "errors_5xx": "5xx",
+                         "loop_share": "event loop (share of the core)", "other_share": "other threads"}),
         "",
         "## Floods",
         "",
@@ -239,6 +268,8 @@ def main() -> None:
                                  "goodput": "goodput", "rejected_429": "429", "failures": "5xx + transport",
                                  "p50_ms": "p50 ms", "p99_ms": "p99 ms", "unloaded_p99_ms": "unloaded p99 ms",
                                  "p99_ratio": "p99 / unloaded", "recovery_s": "recovery (s)",
+                                 "loop_share": "event loop in the flood (share of the core)",
+                                 "loop_share_unloaded": "in the saturation before", "other_share": "other threads",
                                  "lag_p99_ms": "generator lag p99 ms"}),
         "",
         "| goal | measured | target | met |",
