@@ -236,6 +236,11 @@ def summarise(deployment: str, users: int, seconds: float, records: list[Record]
     return row, buckets
 
 
+def _verdict(met: bool) -> str:
+    """Met or missed, from the unrounded ratio: a printed 0.80x can be 0.796x."""
+    return "met" if met else "**missed**"
+
+
 def goals(rows: list[dict]) -> list[str]:
     """The issue's ratios, from this run's rows, where both sides were measured."""
     at = {(r["deployment"], r["users"]): r for r in rows}
@@ -251,23 +256,24 @@ def goals(rows: list[dict]) -> list[str]:
         step, request, peer = f"ours-step-{precision}", f"ours-request-{precision}", f"ct2-{precision}"
         x = ratio((step, most), (request, most), "generated_tokens_per_s")
         if x is not None:
-            lines.append(f"- {precision}: step-level / request-level throughput at {most} users: **{x:.2f}×** "
-                         "(goal ≥ 1.5×)")  # fmt: skip
+            lines.append(f"- {precision}: step-level / request-level throughput at {most} users: **{x:.3f}×** "
+                         f"(goal ≥ 1.5×): {_verdict(x >= 1.5)}")  # fmt: skip
         x = ratio((step, most), (step, 1), "short_p99_ms")
         if x is not None:
-            lines.append(f"- {precision}: step-level short-request p99 at {most} users / at 1 user: **{x:.2f}×** "
-                         "(goal ≤ 2×)")  # fmt: skip
+            lines.append(f"- {precision}: step-level short-request p99 at {most} users / at 1 user: **{x:.3f}×** "
+                         f"(goal ≤ 2×): {_verdict(x <= 2)}")  # fmt: skip
         for ours in (step, request):
             x = ratio((ours, 1), (peer, 1), "generated_tokens_per_s")
             if x is not None:
-                lines.append(f"- {precision}: {ours} / {peer} throughput at 1 user (single stream): **{x:.2f}×** "
-                             "(goal ≥ 0.8×)")  # fmt: skip
+                lines.append(f"- {precision}: {ours} / {peer} throughput at 1 user (single stream): **{x:.3f}×** "
+                             f"(goal ≥ 0.8×): {_verdict(x >= 0.8)}")  # fmt: skip
             x = ratio((ours, most), (peer, most), "generated_tokens_per_s")
             y = ratio((peer, most), (ours, most), "short_p99_ms")
             if x is not None and y is not None:
-                lines.append(f"- {precision}: {ours} / {peer} at {most} users: throughput **{x:.2f}×** (goal > 1), "
+                lines.append(f"- {precision}: {ours} / {peer} at {most} users: throughput **{x:.3f}×** (goal > 1), "
                              f"short-request p99 {at[(ours, most)]['short_p99_ms']:.0f} ms against "
-                             f"{at[(peer, most)]['short_p99_ms']:.0f} ms (**{y:.2f}×** as fast; goal > 1)")  # fmt: skip
+                             f"{at[(peer, most)]['short_p99_ms']:.0f} ms (**{y:.3f}×** as fast; goal > 1): "
+                             f"{_verdict(x > 1 and y > 1)}")  # fmt: skip
     for engine in ("ours-request", "ours-step", "ct2"):
         for users in sorted({r["users"] for r in rows}):
             x = ratio((f"{engine}-int8", users), (f"{engine}-fp32", users), "generated_tokens_per_s")

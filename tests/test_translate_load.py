@@ -25,6 +25,15 @@ def test_goals_compare_only_deployments_measured_in_the_same_run():
             for d, u, tps, p99 in [("ours-step-fp32", 1, 100, 10), ("ours-step-fp32", 16, 300, 15),
                                    ("ours-request-fp32", 16, 150, 40)]]  # fmt: skip
     lines = goals(rows)
-    assert any("step-level / request-level throughput at 16 users: **2.00×**" in line for line in lines)
-    assert any("at 16 users / at 1 user: **1.50×**" in line for line in lines)
+    assert any("step-level / request-level throughput at 16 users: **2.000×** (goal ≥ 1.5×): met" in line
+               for line in lines)  # fmt: skip
+    assert any("at 16 users / at 1 user: **1.500×** (goal ≤ 2×): met" in line for line in lines)
     assert not any("ct2" in line for line in lines)  # no peer in this run: no claim about it
+
+
+def test_a_goal_is_judged_on_the_unrounded_ratio():
+    # the fifteenth session's single stream: 1,622.4 against 2,038.9 tokens/s is 0.7957, which two decimals print 0.80
+    rows = [{"deployment": d, "users": 1, "generated_tokens_per_s": tps, "short_p99_ms": 20.0}
+            for d, tps in [("ours-request-fp32", 1622.4), ("ct2-fp32", 2038.9)]]  # fmt: skip
+    [line] = [line for line in goals(rows) if "single stream" in line]
+    assert "**0.796×** (goal ≥ 0.8×): **missed**" in line
