@@ -109,7 +109,7 @@ def saturation_run(server: Server, request: bytes, concurrencies: list[int], whe
         mark = cpu_mark(server)
         summary = summarise(asyncio.run(closed_loop(server.port, request, clients, seconds)), seconds)
         rows.append({"when": when, "clients": clients, **summary, **core_shares(server, mark)})
-        print(f"closed loop {when} the flood, {clients} clients: {summary}", flush=True)
+        print(f"closed loop ({when}), {clients} clients: {summary}", flush=True)
     return rows
 
 
@@ -126,22 +126,23 @@ async def flood_round(server: Server, request: bytes, phases: list[tuple[float, 
     return await load, shares
 
 
-def judge_round(number: int, flood_round: tuple[list[Record], dict], before: list[dict], after: list[dict],
+def judge_round(number: int, flood: tuple[list[Record], dict], before: list[dict], after: list[dict],
                 seconds: float) -> dict:  # fmt: skip
-    """One flood and its calm phase, against the saturation phases right before and after it."""
-    records, shares = flood_round
+    """One flood and its calm phase (`flood_round`'s records and core shares), against the saturation phases right
+    before and after it."""
+    records, shares = flood
     saturated_rps = (best(before)["throughput_rps"] + best(after)["throughput_rps"]) / 2
     unloaded_p99 = best(before)["p99_ms"]
-    flood = summarise([r for r in records if r.due_s < seconds], seconds)
+    flooded = summarise([r for r in records if r.due_s < seconds], seconds)
     rows = windows(records, seconds + CALM_PHASE_S)
     failures = sum(r.status == 0 or r.status >= 500 for r in records)
     return {
         "round": number, "saturated_before_rps": best(before)["throughput_rps"],
         "saturated_after_rps": best(after)["throughput_rps"], "saturated_rps": saturated_rps,
-        "ok_rps": flood["throughput_rps"], "goodput": flood["throughput_rps"] / saturated_rps,
-        "requests": flood["requests"], "rejected_429": flood["rejected_429"], "failures": failures,
-        "p50_ms": flood["p50_ms"], "p99_ms": flood["p99_ms"], "unloaded_p99_ms": unloaded_p99,
-        "p99_ratio": flood["p99_ms"] / unloaded_p99, "lag_p99_ms": flood["generator_lag_p99_ms"],
+        "ok_rps": flooded["throughput_rps"], "goodput": flooded["throughput_rps"] / saturated_rps,
+        "requests": flooded["requests"], "rejected_429": flooded["rejected_429"], "failures": failures,
+        "p50_ms": flooded["p50_ms"], "p99_ms": flooded["p99_ms"], "unloaded_p99_ms": unloaded_p99,
+        "p99_ratio": flooded["p99_ms"] / unloaded_p99, "lag_p99_ms": flooded["generator_lag_p99_ms"],
         "recovery_s": recovery_s(rows, seconds, 3 * unloaded_p99, seconds + CALM_PHASE_S), **shares,
         "loop_share_unloaded": best(before)["loop_share"], "windows": rows,
     }  # fmt: skip
