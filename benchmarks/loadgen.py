@@ -97,20 +97,8 @@ class Server:
 
     def cpu_s(self) -> tuple[float, float]:
         """CPU seconds so far of the server's event-loop thread (its main thread) and of its other threads."""
-        tick = os.sysconf("SC_CLK_TCK")
-        loop = other = 0.0
-        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
-            try:
-                stat = Path(f"/proc/{self.proc.pid}/task/{tid}/stat").read_text()
-            except OSError:  # the thread ended meanwhile
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()  # after the name, which may hold spaces
-            seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-            if int(tid) == self.proc.pid:
-                loop += seconds
-            else:
-                other += seconds
-        return loop, other
+        loop = main_thread_cpu_s(self.proc.pid)
+        return loop, _cpu_s(Path(f"/proc/{self.proc.pid}/stat")) - loop
 
     def stop(self, sig: int = 15, timeout_s: float = 60) -> int:
         if self.proc.poll() is None:
@@ -122,6 +110,18 @@ class Server:
             code = self.proc.wait()
         self.log.close()
         return code
+
+
+def _cpu_s(stat: Path) -> float:
+    """User + system CPU seconds from a /proc stat file (a process's: all its threads; a task's: that thread)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main_thread_cpu_s(pid: int) -> float:
+    """CPU seconds of a process's main thread: for this service, the event loop (HTTP, parsing, tokenising,
+    answers); its compute threads make up the rest of the process's."""
+    return _cpu_s(Path(f"/proc/{pid}/task/{pid}/stat"))
 
 
 def classify_server_on_core_0(bundle: str, settings: list[str], tree: Path = REPO) -> Server:

@@ -48,7 +48,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.loadgen import free_port, pin_to, service_at  # noqa: E402
+from benchmarks.loadgen import free_port, main_thread_cpu_s, pin_to, service_at  # noqa: E402
 from loadtest.report import agg_subplots, save_figure, write_markdown  # noqa: E402
 from service.bundle import Bundle, load_bundle  # noqa: E402
 from service.runtime import CPU, make_session  # noqa: E402
@@ -180,10 +180,9 @@ class Server:
         return total
 
     def main_thread_cpu_seconds(self) -> float:
-        """User + system CPU of the root process's main thread: for this service, the event loop (HTTP, parsing,
-        tokenising, answers); its inference thread and the rest of the tree make up the difference."""
-        fields = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU of the root process's main thread (`main_thread_cpu_s`); the rest of the tree makes up
+        the difference."""
+        return main_thread_cpu_s(self.proc.pid)
 
     def batches(self) -> tuple[float, float]:
         """(texts, batches) computed so far, from the server's own metrics."""
