@@ -1,6 +1,7 @@
 """Rolling-restart benchmark: SIGTERM one replica under keep-alive load and count the requests lost.
 
-    python -m benchmarks.drain [--runs 10] [--clients 128] [--drain-s 5] [--compare-drain-s 0] [--out DIR]
+    python -m benchmarks.drain [--runs 10] [--clients 128] [--drain-s 5] [--compare-drain-s 0] [--one-replica]
+                               [--out DIR]
 
 Two replicas of `python -m service` (the committed classify bundle): A is stopped with SIGTERM, B stays up.
 `--clients` keep-alive clients (closed loop, one connection each) send /classify to A, as behind a load
@@ -9,6 +10,10 @@ when its connection to A fails; a request that got no answer (connection reset, 
 lost. Each run: 2 s of load on A, SIGTERM, load until 1 s after A exited. Repeated `--runs` times with the
 drain period given, and as many times with `--compare-drain-s` (0: uvicorn's plain graceful shutdown) to show
 what the drain changes. Writes drain.{csv,md,png}.
+
+`--one-replica`: no B. Clients reconnect to A itself after each `Connection: close` (a client with nowhere else to
+go, or a load balancer that has not noticed yet), until A refuses the connection (refused: nothing was sent, the
+client can retry elsewhere); a request sent and not answered is lost, as above. Writes drain-one-replica.*.
 """
 
 from __future__ import annotations
@@ -38,16 +43,27 @@ from loadtest.report import (  # noqa: E402
 TRANSPORT_ERRORS = (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError)
 
 
-async def one_run(port_a: int, port_b: int, server_a: Server, clients: int, request: bytes) -> dict:
+async def one_run(port_a: int, port_b: int | None, server_a: Server, clients: int, request: bytes) -> dict:
+    """`port_b` None: clients reconnect to A until it refuses (`--one-replica`)."""
     counts = {"answered_by_a": 0, "answered_by_a_after_sigterm": 0, "answered_by_b": 0, "lost": 0,
-              "non_200": 0, "moved_by_connection_close": 0, "moved_by_error": 0}  # fmt: skip
+              "non_200": 0, "moved_by_connection_close": 0, "moved_by_error": 0, "refused_at_connect": 0}  # fmt: skip
     sigterm_at: float | None = None
     latencies_after: list[float] = []
+
+    async def move_on() -> tuple[Connection | None, bool]:
+        """The connection a client goes on with once A closes its own, and whether it is to A; None: A refused."""
+        if port_b is not None:
+            return await Connection.open(port_b), False
+        try:
+            return await Connection.open(port_a), True
+        except OSError:  # refused, or reset during the handshake: either way nothing was sent
+            counts["refused_at_connect"] += 1
+            return None, False
 
     async def client() -> None:
         conn = await Connection.open(port_a)
         on_a = True
-        while not stop.is_set():
+        while not stop.is_set() and conn is not None:
             started = time.perf_counter()
             try:
                 status, closing = await conn.exchange(request)
@@ -56,8 +72,7 @@ async def one_run(port_a: int, port_b: int, server_a: Server, clients: int, requ
                 if on_a:
                     counts["lost"] += 1
                     counts["moved_by_error"] += 1
-                    on_a = False
-                    conn = await Connection.open(port_b)
+                    conn, on_a = await move_on()
                     continue
                 raise
             if status != 200:
@@ -70,11 +85,11 @@ async def one_run(port_a: int, port_b: int, server_a: Server, clients: int, requ
                 if closing:  # the drain's signal: this replica is going away
                     counts["moved_by_connection_close"] += 1
                     conn.close()
-                    on_a = False
-                    conn = await Connection.open(port_b)
+                    conn, on_a = await move_on()
             else:
                 counts["answered_by_b"] += 1
-        conn.close()
+        if conn is not None:
+            conn.close()
 
     stop = asyncio.Event()
     tasks = [asyncio.create_task(client()) for _ in range(clients)]
@@ -97,14 +112,16 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=128)
     parser.add_argument("--drain-s", type=float, default=5.0)
     parser.add_argument("--compare-drain-s", type=float, default=0.0)
+    parser.add_argument("--one-replica", action="store_true", help="no B: clients reconnect to A (module docstring)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
     load_before = load_average()
     env = {"LINFORMER_TRANSLATE_MODEL": "", "LINFORMER_LOG_LEVEL": "warning", "LINFORMER_ORT_INTRA_OP_THREADS": "1",
            "LINFORMER_MAX_CONCURRENT_REQUESTS": str(args.clients)}  # fmt: skip
     request = post_request("/classify", json.dumps({"text": REVIEW}).encode())
-    port_b = free_port()
-    server_b = Server(port_b, env, cores=None)
+    port_b = None if args.one_replica else free_port()
+    server_b = None if args.one_replica else Server(port_b, env, cores=None)
+    name = "drain-one-replica" if args.one_replica else "drain"
     rows = []
     try:
         for drain_s in (args.drain_s, args.compare_drain_s):
@@ -116,13 +133,15 @@ def main() -> None:
                 rows.append({"drain_s": drain_s, "run": run + 1, **result})
                 print(rows[-1], flush=True)
     finally:
-        server_b.stop()
+        if server_b is not None:
+            server_b.stop()
     args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / "drain.csv", rows)
-    plot(rows, args.out / "drain.png", args.clients)
+    write_csv(args.out / f"{name}.csv", rows)
+    plot(rows, args.out / f"{name}.png", args.clients)
     columns = {"drain_s": "drain s", "run": "run", "answered_by_a": "answered by A",
                "answered_by_a_after_sigterm": "by A after SIGTERM", "lost": "lost",
                "moved_by_connection_close": "moved by Connection: close", "moved_by_error": "moved by an error",
+               "refused_at_connect": "refused at connect",
                "non_200": "non-200", "exit_code": "A's exit code", "sigterm_to_exit_s": "SIGTERM -> exit (s)",
                "max_latency_after_sigterm_ms": "max latency after SIGTERM (ms)"}  # fmt: skip
     lines = header(f"Rolling restart: SIGTERM under {args.clients} keep-alive clients", ("onnxruntime", "uvicorn"),
@@ -130,11 +149,18 @@ def main() -> None:
     by_drain = {}
     for row in rows:
         by_drain.setdefault(row["drain_s"], []).append(row)
-    lines += [
+    setup = (
+        "One replica of `python -m service` (classify-linformer, 1 ORT thread, unpinned), A; "
+        f"{args.clients} keep-alive clients (closed loop, raw asyncio HTTP/1.1) on A; SIGTERM to A after 2 s; a "
+        "client reconnects to A after `Connection: close` or a failed request (which counts as lost) until A "
+        "refuses the connection (refused at connect: nothing sent)."
+        if args.one_replica else
         "Two replicas of `python -m service` (classify-linformer, 1 ORT thread, unpinned), A and B; "
         f"{args.clients} keep-alive clients (closed loop, raw asyncio HTTP/1.1) on A; SIGTERM to A after 2 s; a "
-        "client moves to B on `Connection: close` or on a failed request, which counts as lost. The machine is "
-        "shared with other jobs (load average above).",
+        "client moves to B on `Connection: close` or on a failed request, which counts as lost."
+    )  # fmt: skip
+    lines += [
+        f"{setup} The machine is shared with other jobs (load average above).",
         "",
         "| LINFORMER_DRAIN_S | runs | requests lost (total) | runs with a loss | A exited 0 | SIGTERM -> exit |",
         "|---|---|---|---|---|---|",
@@ -145,10 +171,10 @@ def main() -> None:
         "",
         *markdown_table(rows, columns),
         "",
-        "![requests lost per run](drain.png)",
+        f"![requests lost per run]({name}.png)",
         "",
     ]  # fmt: skip
-    write_markdown(args.out / "drain.md", lines)
+    write_markdown(args.out / f"{name}.md", lines)
 
 
 def plot(rows: list[dict], path: Path, clients: int) -> None:

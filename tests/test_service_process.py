@@ -232,6 +232,42 @@ def test_sigterm_drains_keep_alive_clients_without_losing_a_request(models_dir):
     assert "draining for 1.5 s" in out and "batchers drained" in out
 
 
+def test_after_the_drain_new_connections_are_refused_but_a_request_on_an_open_one_is_answered(models_dir):
+    """When the drain ends the server stops accepting, yet a connection opened before that and used only now (a
+    client that reconnected after a drained answer, its request still on its way) gets its answer, with
+    `Connection: close`, instead of being closed unanswered by uvicorn's shutdown (service/__main__.LAST_CALL_S)."""
+    port, drain_s = free_port(), 1.0
+    proc = start(["-m", "service", "--models-dir", str(models_dir), "--port", str(port)], port,
+                 env={"LINFORMER_TRANSLATE_MODEL": "", "LINFORMER_DRAIN_S": str(drain_s)})  # fmt: skip
+    body = b'{"text": "a late request"}'
+    request = (b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    try:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        opened = socket.create_connection(("127.0.0.1", port), timeout=10)  # during the drain: accepted
+        deadline = time.monotonic() + drain_s + 5
+        while True:  # wait for the drain to end: new connections refused
+            assert time.monotonic() < deadline, "the server kept accepting after its drain"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            except ConnectionRefusedError:
+                break
+            time.sleep(0.02)
+        opened.sendall(request)
+        answer = b""
+        while chunk := opened.recv(65536):
+            answer += chunk
+        opened.close()
+        out, _ = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    head = answer.split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 200") and b"connection: close" in head, (answer, out)
+    assert proc.returncode == 0, out
+
+
 def test_under_uvicorn_a_refusal_at_admission_is_a_complete_429_and_the_connection_stays_usable(models_dir):
     """The served process answers 429 from uvicorn's protocol, before any ASGI task: same shape, same headers,
     the refused request's body is read and dropped, and the keep-alive connection serves the next request."""
