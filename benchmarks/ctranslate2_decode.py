@@ -13,6 +13,9 @@ process and wall seconds are both reported.
 Parity and quality: the whole test set, greedy, batches of 32: how many translations are token-identical to
 ours fp32, and sacrebleu BLEU / chrF.
 
+`--new-buffers` adds a fifth variant, ours fp32 on new decode buffers and IO bindings for every call (as before the
+runtime kept small ones for the next decode, service/runtime.py SPARE_DECODE_BYTES), taking its turns with the rest.
+
     .venv/bin/python -m benchmarks.ctranslate2_decode [--out benchmarks/results/ctranslate2-decode]
 """
 
@@ -44,7 +47,18 @@ from service.tokenizer import Tokenizer  # noqa: E402
 from training.translate import read_pairs  # noqa: E402
 
 
-def runtimes(models_dir: Path, bundle: str, threads: int) -> dict:
+class NewBuffers:
+    """A runtime of its own that never finds the buffers its last decode left (`--new-buffers`)."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def run(self, *args):
+        self.runtime._spare = None
+        return self.runtime.run(*args)
+
+
+def runtimes(models_dir: Path, bundle: str, threads: int, new_buffers: bool = False) -> dict:
     if threads != 1:  # benchmarks.int8.translator builds 1-thread sessions: ours would not match
         raise SystemExit("--threads other than 1 is not supported yet: ours are built with 1 ORT thread")
     fp32 = load_bundle(models_dir / bundle)
@@ -53,6 +67,7 @@ def runtimes(models_dir: Path, bundle: str, threads: int) -> dict:
         "ours int8": translator(load_bundle(models_dir / f"{bundle}-int8")),
         "CTranslate2 fp32": CTranslate2Runtime(fp32, "float32", threads),
         "CTranslate2 int8": CTranslate2Runtime(fp32, "int8", threads),
+        **({"ours fp32, new buffers": NewBuffers(translator(fp32))} if new_buffers else {}),
     }
 
 
@@ -88,6 +103,8 @@ def ratios(rows: list[dict]) -> list[dict]:
                     "ours int8 / ours fp32": ratio("ours int8", "ours fp32"),
                     "CT2 int8 / CT2 fp32": ratio("CTranslate2 int8", "CTranslate2 fp32"),
                     "ours int8 / CT2 fp32": ratio("ours int8", "CTranslate2 fp32")})  # fmt: skip
+        if "ours fp32, new buffers" in at:
+            out[-1]["ours fp32 / on new buffers"] = ratio("ours fp32", "ours fp32, new buffers")
     return out
 
 
@@ -147,11 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--speed-sentences", type=int, default=64, help="first N test sources for speed")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quality-limit", type=int, default=0, help="first N test pairs for parity (0: all)")
+    parser.add_argument("--new-buffers", action="store_true", help="add ours fp32 on new buffers (module docstring)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "ctranslate2-decode")
     args = parser.parse_args(argv)
     load_before = load_average()
 
-    decoders = runtimes(args.models_dir, args.bundle, args.threads)
+    decoders = runtimes(args.models_dir, args.bundle, args.threads, args.new_buffers)
     bundle = load_bundle(args.models_dir / args.bundle)
     tokenizer = Tokenizer.from_bundle(bundle)
     pairs = read_pairs(args.ende)
@@ -179,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         *markdown_table(summary, {key: key for key in summary[0]}),
         "",
         f"Speed: greedy decoding to EOS (at most 256 tokens) of the first {args.speed_sentences} test sources; batch 1 "
-        "is one sentence per call (single stream), larger batches are length-sorted groups; the four decoders take "
+        "is one sentence per call (single stream), larger batches are length-sorted groups; the decoders take "
         f"turns call by call, median of {args.rounds} rounds; tokens = decoder steps including the EOS, each "
         "variant counting its own outputs. Ours includes the service runtime's Python loop (numpy argmax, "
         "cache handling) per step, as served; CTranslate2's loop is C++.",

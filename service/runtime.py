@@ -20,6 +20,11 @@ CUDA = "CUDAExecutionProvider"
 # by the next; trimming them costs ~0.2 ms per request plus the page faults of taking them back, 5-10 % of a
 # single-stream sentence)
 BIG_DECODE_BYTES = 16 << 20
+# Decode buffers up to this size outlive their last source, for the next one (TranslatorRuntime.take_spare). New
+# ones cost each sentence their IO binding (~20 bind calls, ~0.17 ms, about half a decoder step at batch 1) and
+# the arrays' set-up: with spares a single stream decodes 3-4 % more tokens per CPU second (two runs of
+# `benchmarks/ctranslate2_decode.py --new-buffers`, README)
+SPARE_DECODE_BYTES = 4 << 20
 
 # GroupQueryAttention over a cache buffer bound as both past and present, with rows of different lengths in one
 # batch: onnxruntime 1.20.1 loads the step-form decoder but decodes batches wrongly (9 of 200 test sentences
@@ -185,6 +190,7 @@ class TranslatorRuntime:
         self.present_names = [f"present_{kind}_{i}" for i, kind in kinds]
         self.cross_names = [f"cross_{kind}_{i}" for i, kind in kinds] + ["cross_mask"]
         self.vocab_size = decoder.get_outputs()[0].shape[-1]
+        self._spare: _DecodeBuffers | None = None  # left by the last decode (SPARE_DECODE_BYTES)
 
     @property
     def provider(self) -> str:
@@ -213,6 +219,21 @@ class TranslatorRuntime:
             return [outputs[row] for row in range(len(input_ids))]
         finally:  # an abandoned or failed batch's rows leave too, and LiveDecode trims after big buffers
             live.drop(sources)
+
+    def take_spare(self, rows: int, memory: int) -> "_DecodeBuffers | None":
+        """The buffers a decode left (`keep_spare`), if they hold `rows` rows and `memory` cross positions but not
+        twice that many (the width _Cohort._compact narrows from); whoever takes them owns them."""
+        spare = self._spare
+        if spare is None or rows > spare.capacity or not spare.memory // 2 <= memory <= spare.memory:
+            return None
+        self._spare = None
+        return spare
+
+    def keep_spare(self, buffers: "_DecodeBuffers") -> None:
+        """Buffers nobody decodes in any more: kept for the next decode if small, replacing the last ones kept."""
+        if buffers.nbytes <= SPARE_DECODE_BYTES:
+            buffers.shrink_to(0)
+            self._spare = buffers
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> list[np.ndarray]:
         """Padded sources -> cross keys/values per decoder layer (rows, H, S', hd) and cross_mask (rows, S')."""
@@ -285,8 +306,8 @@ class _DecodeBuffers:
     (rows, H, tgt_n_max, hd) per layer: bound as both `past_*` and `present_*`, the decoder's attention kernel
     writes the new column at position `lengths[r]` in place and attends over that row's own positions only, so
     rows of any lengths share one call. The cross keys/values are (rows, H, memory, hd) with `memory` the longest
-    live source's, the others' masked (`cross_mask`). Capacities grow by doubling; the binding is renewed only
-    when the live rows or the arrays change, not per step.
+    live source's, the others' masked (`cross_mask`). Capacities grow by doubling; a binding is made once per number
+    of live rows and kept with the arrays, not renewed per step.
     """
 
     def __init__(self, runtime: TranslatorRuntime, capacity: int, memory: int, old: "_DecodeBuffers | None" = None):
@@ -302,7 +323,7 @@ class _DecodeBuffers:
         self.total_length = np.zeros(1, np.int32)
         self.logits = np.empty((capacity, rt.vocab_size), np.float32)
         self.rows = 0
-        self.binding: ort.IOBinding | None = None
+        self.bindings: dict[int, ort.IOBinding] = {}  # live rows -> the binding of their views
         if old is not None:  # carry the live rows over
             n, shared = old.rows, min(memory, old.memory)
             for name in self.cache:
@@ -321,8 +342,8 @@ class _DecodeBuffers:
 
     def bind(self) -> ort.IOBinding:
         """The decoder's inputs and outputs as views of the first `rows` rows (no copies)."""
-        if self.binding is not None:
-            return self.binding
+        if self.rows in self.bindings:
+            return self.bindings[self.rows]
         n, binding = self.rows, self.runtime.decoder.io_binding()
 
         def put(name: str, array: np.ndarray, output: bool = False) -> None:
@@ -340,7 +361,7 @@ class _DecodeBuffers:
             put(past, self.cache[past])
             put(present, self.cache[past], output=True)  # the same buffer: the kernel appends in place
         put("logits", self.logits, output=True)
-        self.binding = binding
+        self.bindings[n] = binding
         return binding
 
     def run(self) -> np.ndarray:
@@ -363,7 +384,6 @@ class _DecodeBuffers:
         self.lengths[start:end] = 0
         self.source_lengths[start:end] = source_lengths
         self.rows = max(self.rows, end)
-        self.binding = None
 
     def copy_rows(self, targets: np.ndarray, sources: np.ndarray, positions: int) -> None:
         """Rows `targets` become copies of rows `sources` (their first `positions` cached tokens, cross keys,
@@ -374,13 +394,12 @@ class _DecodeBuffers:
             array[targets] = array[sources]
 
     def shrink_to(self, rows: int) -> None:
-        if rows != self.rows:
-            self.rows, self.binding = rows, None
+        self.rows = rows
 
 
 class _Cohort:
     """The live rows of one width class (see LiveDecode): their searches and their _DecodeBuffers, one decoder
-    call per step. Rows leave by compaction; nothing is held once nobody is live."""
+    call per step. Rows leave by compaction; once nobody is live its buffers go (to the runtime, if small)."""
 
     def __init__(self, runtime: TranslatorRuntime):
         self.runtime = runtime
@@ -417,6 +436,9 @@ class _Cohort:
         """Buffers that hold `rows` rows and `memory` cross positions, the live rows carried over."""
         b = self.buffers
         if b is not None and rows <= b.capacity and memory <= b.memory:
+            return
+        if b is None and (spare := self.runtime.take_spare(rows, _round_memory(memory))) is not None:
+            self.buffers = spare
             return
         capacity = rows if b is None else max(rows, 2 * b.capacity)  # a whole batch's rows come in one admit
         if b is not None and rows <= b.capacity:
@@ -461,8 +483,10 @@ class _Cohort:
 
     def _compact(self) -> None:
         """After sources left: the live rows move into rows 0..n-1 (the last ones into the holes), the cross
-        buffer narrows when its longest sources have gone, and nothing is held once nobody is live."""
+        buffer narrows when its longest sources have gone, and once nobody is live the buffers go (kept by the
+        runtime for the next decode if small)."""
         if not self.searches:
+            self.runtime.keep_spare(self.buffers)
             self.buffers = None
             return
         b = self.buffers

@@ -174,6 +174,33 @@ def test_rows_of_different_lengths_share_one_decoder_call_per_width_class_and_de
     assert not live.cohorts  # nothing held once nobody is live
 
 
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_a_decode_takes_the_small_buffers_the_last_one_left_and_decodes_as_on_new_ones(beam_size):
+    """Buffers (and their IO bindings) outlive their last source when small, for the next decode of about the same
+    width: what it decodes there equals what it decodes on new buffers, whatever the last source left in them."""
+    from service.batcher import pad
+    from service.runtime import SPARE_DECODE_BYTES
+
+    _, tokenizer, runtime = translator("translate-linformer")
+    first, second = LOAD_TEXTS["32"][0], LOAD_TEXTS["32"][1]
+    runtime._spare = None
+    on_new = alone(runtime, tokenizer, second, beam_size)
+    alone(runtime, tokenizer, first, beam_size)
+    kept = runtime._spare
+    assert kept is not None and kept.nbytes <= SPARE_DECODE_BYTES and kept.rows == 0
+    live = runtime.live()
+    live.admit(*pad([source_ids(tokenizer, second)], 0), [("again", (beam_size, 256))])
+    assert next(iter(live.cohorts.values())).buffers is kept and runtime._spare is None
+    outputs: dict = {}
+    while live.rows:
+        finished, failed = live.step()
+        assert not failed
+        outputs.update(finished)
+    assert outputs == {"again": on_new} and runtime._spare is kept
+    # a source that would pay for twice its cross width does not take them
+    assert runtime.take_spare(1, kept.memory // 2 - 16) is None and runtime._spare is kept
+
+
 def test_a_step_can_serve_chosen_width_classes_within_a_time_budget():
     from service.batcher import pad
 
