@@ -324,6 +324,40 @@ async def test_admission_sheds_a_flood_refuses_its_waiting_requests_and_recovers
     assert not route.shedding and route.limit == 8
 
 
+async def test_admission_holds_a_floods_waiting_requests_across_the_window_turn_until_it_sheds():
+    """A flood's first window fills the burst limit and the waiting room. When the next window starts, slots that
+    free up do not go to those waiting requests (they would be served late, after their time in the room and the
+    burst): the new window has to show it is not a flood first. It does not, so they are refused when shedding
+    starts at its end."""
+    from service.middleware import FLOOD_WINDOW_S, Admission, RouteAdmission
+
+    clock = _Clock()
+    # a burst limit the model takes longer than a window to work off, as 128 requests on one core
+    route = RouteAdmission(burst_limit=40, shed_limit=4, max_waiting=1000, clock=clock)
+    waiters = []
+
+    async def step(arrivals: int, completions: int) -> None:
+        clock.now += 0.01
+        for _ in range(arrivals):
+            if route.arrive() is Admission.WAIT:
+                waiters.append(asyncio.ensure_future(route.wait_for_slot(60)))
+        for _ in range(min(completions, route.in_flight)):
+            route.complete()
+        await _settle()
+
+    second_window = False
+    for _ in range(round(4 * FLOOD_WINDOW_S / 0.01)):  # 10 arrivals and 3 completions per 10 ms
+        await step(10, 3)
+        if route.shedding:
+            break
+        assert not any(w.done() for w in waiters)  # held back, also once slots are free
+        if route._flooded_windows == 1 and not second_window:  # the first window was judged: the second begins
+            second_window = True
+            assert 0 < route.in_flight < route.limit and waiters  # slots free at the turn, work in progress
+    assert second_window and route.shedding
+    assert all(w.done() and w.result() is Admission.REFUSE for w in waiters)
+
+
 async def test_admission_refuses_when_the_waiting_room_is_full_and_a_left_waiter_frees_its_place():
     from service.middleware import Admission, RouteAdmission
 
