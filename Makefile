@@ -11,6 +11,8 @@ SERVE_STAMP    := $(VENV)/.installed-serve
 LOADTEST_STAMP := $(VENV)/.installed-loadtest
 STAMP          := $(VENV)/.installed
 LOCUST_ARGS    ?= --headless -u 2 -r 2 -t 10s
+# ONNX Runtime's own telemetry (service/__init__.py): off for every tool make runs, unless set
+export ORT_DISABLE_TELEMETRY ?= 1
 
 .PHONY: install serve loadtest test test-slow quickstart lint bench-service clean
 

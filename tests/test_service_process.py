@@ -268,6 +268,19 @@ def test_after_the_drain_new_connections_are_refused_but_a_request_on_an_open_on
     assert proc.returncode == 0, out
 
 
+def test_onnxruntime_telemetry_stays_off_unless_the_operator_turns_it_on(models_dir, tmp_path):
+    """ONNX Runtime's official Linux builds (1.29 and later) write a device id and queue usage events (model file
+    names, graph hashes) in the user's cache for upload to Microsoft, unless ORT_DISABLE_TELEMETRY=1 is set before
+    ONNX Runtime starts. The service sets it when imported (service/__init__.py), unless the operator set it: its
+    sessions leave nothing there."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ORT_DISABLE_TELEMETRY", "CI", "ORT_RUNNING_UNIT_TESTS")}
+    env.update(HOME=str(tmp_path / "home"), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    code = ("import service.runtime as r; "
+            f"r.make_session(r.Path({str(models_dir / 'classify-linformer' / 'model.onnx')!r}), [r.CPU])")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True, timeout=60)
+    assert not [str(p) for p in tmp_path.rglob("*") if p.is_file()]  # no deviceid, no onnxruntime.db
+
+
 def test_under_uvicorn_a_refusal_at_admission_is_a_complete_429_and_the_connection_stays_usable(models_dir):
     """The served process answers 429 from uvicorn's protocol, before any ASGI task: same shape, same headers,
     the refused request's body is read and dropped, and the keep-alive connection serves the next request."""
