@@ -36,9 +36,9 @@ log = logging.getLogger("service")
 
 # After the drain: how long connections already open may still send a request and be answered, once no new
 # connection is accepted. uvicorn's shutdown closes a connection with no request in progress at once, also one
-# opened a moment before whose request is still on its way: at 64 clients reconnecting after each drained
-# answer, 40-45 requests a stop went unanswered that way (a read error, where a refused connection would have
-# told the client that nothing was sent).
+# opened a moment before whose request is still on its way: clients that reconnect after each drained answer
+# lost requests that way (a read error, where a refused connection would have told them that nothing was sent;
+# `benchmarks/drain.py --one-replica`, benchmarks/results/reliability-session16/).
 LAST_CALL_S = 0.5
 
 
@@ -61,8 +61,8 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.app, self.drain_s = app, drain_s
         self.drain_ends: float | None = None
-        self.accepting_until: float | None = None  # set when the drain ends: what is in the backlog is accepted
-        self.last_call_ends: float | None = None  # then the server stops accepting, and this is set
+        self.handshakes_stopped = False  # the drain has ended: the backlog is accepted, no new connection is
+        self.last_call_ends: float | None = None  # a tick later the listeners close, and this is set
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and self.drain_ends is None and self.drain_s > 0:
@@ -75,10 +75,10 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:  # every 0.1 s
         now = time.monotonic()
-        if self.drain_ends is not None and now >= self.drain_ends and self.accepting_until is None:
+        if self.drain_ends is not None and now >= self.drain_ends and not self.handshakes_stopped:
             self.stop_handshakes()
-            self.accepting_until = now
-        elif self.accepting_until is not None and self.last_call_ends is None:  # a tick later
+            self.handshakes_stopped = True
+        elif self.handshakes_stopped and self.last_call_ends is None:  # a tick later
             for server in self.servers:  # uvicorn's shutdown closes them again, harmlessly
                 server.close()
             self.last_call_ends = now + LAST_CALL_S
@@ -90,8 +90,8 @@ class DrainingServer(uvicorn.Server):
         """The listening sockets' backlog down to 0, so that the kernel stops completing new connections (their
         SYNs are dropped; the client's retry finds the socket closed and is refused) while the loop accepts those
         already queued. Closed at once instead, the socket would reset its queued connections, whose clients
-        think them open and may have sent a request on them (2-6 requests lost in 3 of 5 stops at 64 clients
-        reconnecting, `benchmarks/drain.py --one-replica`)."""
+        think them open and may have sent a request on them (requests still lost with the last call alone, in
+        development runs of `benchmarks/drain.py --one-replica`)."""
         for server in self.servers:
             for listening in server.sockets:
                 with socket.socket(fileno=os.dup(listening.fileno())) as same:

@@ -150,7 +150,7 @@ class RouteAdmission:
             self._arrivals = self._completions = 0
             self._found_full = False
             self._window_end = now + FLOOD_WINDOW_S
-        held = self.waiting and self._holds_waiting()
+        held = bool(self.waiting) and self._holds_waiting()
         while self.waiting and self.in_flight < self.limit and not held:
             slot = self.waiting.popleft()
             if not slot.done():
