@@ -232,7 +232,7 @@ class TranslatorRuntime:
     def keep_spare(self, buffers: "_DecodeBuffers") -> None:
         """Buffers nobody decodes in any more: kept for the next decode if small, replacing the last ones kept."""
         if buffers.nbytes <= SPARE_DECODE_BYTES:
-            buffers.shrink_to(0)
+            buffers.rows = 0
             self._spare = buffers
 
     def encode(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> list[np.ndarray]:
@@ -342,8 +342,8 @@ class _DecodeBuffers:
 
     def bind(self) -> ort.IOBinding:
         """The decoder's inputs and outputs as views of the first `rows` rows (no copies)."""
-        if self.rows in self.bindings:
-            return self.bindings[self.rows]
+        if (binding := self.bindings.get(self.rows)) is not None:
+            return binding
         n, binding = self.rows, self.runtime.decoder.io_binding()
 
         def put(name: str, array: np.ndarray, output: bool = False) -> None:
@@ -392,9 +392,6 @@ class _DecodeBuffers:
             array[targets, :, :positions] = array[sources, :, :positions]
         for array in (*self.cross.values(), self.cross_mask, self.tokens, self.lengths, self.source_lengths):
             array[targets] = array[sources]
-
-    def shrink_to(self, rows: int) -> None:
-        self.rows = rows
 
 
 class _Cohort:
@@ -499,7 +496,7 @@ class _Cohort:
             moved = dict(zip(movers.tolist(), holes.tolist(), strict=True))
             for search in self.searches:
                 search.rows = np.array([moved.get(row, row) for row in search.rows.tolist()])
-        b.shrink_to(n)
+        b.rows = n
         memory = _round_memory(int(b.source_lengths[:n].max()))
         if memory < b.memory // 2:  # the long sources left: the short ones stop paying for their width
             self.buffers = _DecodeBuffers(self.runtime, b.capacity, memory, old=b)
