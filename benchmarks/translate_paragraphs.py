@@ -14,8 +14,9 @@ Joined sets join the references the same way; line breaks are scored as spaces.
 
     .venv/bin/python benchmarks/translate_paragraphs.py [--models translate-linformer,translate-transformer]
 
-Also: what the vocabulary cannot spell (an emoji, a name in another script) inserted into help sources, and how
-many translations carry it over. Writes benchmarks/results/translate-paragraphs{,-unknowns}.{csv,md,png}.
+Also: what the vocabulary cannot spell (an emoji, a name in another script), and a web and an e-mail address,
+inserted into help sources, and how many translations carry it over. Writes
+benchmarks/results/translate-paragraphs{,-unknowns}.{csv,md,png}.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from loadtest.report import (  # noqa: E402
 from service.bundle import load_bundle  # noqa: E402
 from service.tokenizer import Tokenizer, split_sentences  # noqa: E402
 
-MARKS = ("😀", "李明")  # an emoji; a name in another script
+# an emoji; a name in another script; a web and an e-mail address (the training data has none)
+MARKS = ("😀", "李明", "https://help.libreoffice.org/latest/en-US/text/main.html", "users@global.libreoffice.org")
 
 
 def translate(tokenizer: Tokenizer, runtime, pad_id: int, texts: list[str], split: bool) -> list[str]:
@@ -67,8 +69,8 @@ def with_mark(pairs: list[tuple[str, str]], mark: str, count: int = 200) -> list
 
 
 def carried(tokenizer: Tokenizer, runtime, pad_id: int, texts: list[str], mark: str) -> dict:
-    """How many translations hold `mark` exactly once: as /translate makes them (placeholders), and with the unknown
-    piece alone (the source encoded as it is; an unknown piece the model writes gets the source's, in order)."""
+    """How many translations hold `mark` exactly once: as /translate makes them (placeholders), and with the source
+    encoded as it is (an unknown piece the model writes gets the source's, in order)."""
     service = translate(tokenizer, runtime, pad_id, texts, split=True)
     encoded = tokenizer.encode_all(texts, truncate=True)
     outputs = decode_in_batches(runtime, [e.ids for e in encoded], pad_id)
@@ -147,15 +149,16 @@ def write_report(args: argparse.Namespace, rows: list[dict], marks: list[dict], 
               "", "Length ratio: the hypotheses' length over the references' (sacrebleu 13a tokens): below 1, words "
               "are missing. repeat4: the share of translations in which some word 4-gram occurs twice (the "
               "references': 0-5 %).", "",
-              "## What the vocabulary cannot spell", "",
+              "## What the vocabulary cannot spell, and addresses", "",
               f"The first 200 help test sources of 5-40 words, each with one mark inserted before a seeded word "
-              f"({', '.join(MARKS)}: characters the tokenizer has no piece for); how many translations hold it "
+              f"({', '.join(MARKS[:2])}: characters the tokenizer has no piece for; {', '.join(MARKS[2:])}: a web "
+              "and an e-mail address, which the training data has none of); how many translations hold it "
               "exactly once, as /translate makes them (the mark replaced by a placeholder {1} in the source, and "
-              "back in the translation) and with the unknown piece alone (the source as it is; an unknown piece "
-              "the model writes gets the source's text, in order).", "",
+              "back in the translation) and with the source as it is (an unknown piece the model writes gets the "
+              "source's text, in order).", "",
               *markdown_table(marks, {"model": "bundle", "mark": "mark", "texts": "texts",
                                       "placeholders": "carried (placeholder, /translate)",
-                                      "unknown_piece": "carried (unknown piece only)"}), "",
+                                      "unknown_piece": "carried (source as it is)"}), "",
               f"![BLEU whole vs by sentence]({stem.name}.png)", ""]  # fmt: skip
     write_markdown(stem.with_suffix(".md"), lines)
     fig, axes = agg_subplots(1, 2, figsize=(12, 4.2))

@@ -98,8 +98,9 @@ class TranslateRequest(TaskRequest):
 
 
 class Translation(BaseModel):
-    text: str = Field(description="the German text; what the vocabulary cannot spell (emoji, other scripts) is "
-                                  "carried over from the source, in order")  # fmt: skip
+    text: str = Field(description="the German text; what the vocabulary cannot spell (emoji, other scripts) and "
+                                  "web and e-mail addresses are carried over from the source as written, in order; "
+                                  "the source's leading and trailing whitespace is kept")  # fmt: skip
     tokens: int
 
 

@@ -1,6 +1,8 @@
 """Text -> token ids exactly as the bundle was trained: SentencePiece, then BOS/EOS per config.json; target ids ->
-text, carrying the source's unknown pieces over; and the sentence splitting /translate does before it encodes."""
+text, carrying the source's unknown pieces, web addresses and e-mail addresses over; and the sentence splitting
+/translate does before it encodes."""
 
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,7 @@ class TextTooLong(ValueError):
 
 # Between two sentences: a line break (with the blank lines and indentation around it), or the spaces after a
 # sentence's end (. ! ? …, then closing quotes or brackets) when a capital, a digit or an opening quote follows.
-_BOUNDARY = re.compile(r"""(?P<line>[ \t]*\n\s*)|[.!?…]["'”’)\]]*(?P<space>[ \t]+)(?=["'“‘(\[]?[A-Z0-9ÄÖÜ])""")
+_BOUNDARY = re.compile(r"""(?P<line>[ \t\r]*\n\s*)|[.!?…]["'”’)\]]*(?P<space>[ \t]+)(?=["'“‘(\[]?[A-Z0-9ÄÖÜ])""")
 # a period after these ends a word, not a sentence (lower-cased, without the period)
 _ABBREVIATIONS = frozenset("e.g i.e etc vs cf approx fig no nos vol dr mr mrs ms prof st jr sr inc ltd co".split())
 
@@ -56,18 +58,43 @@ class Encoded:
 # placeholder into their output (179 of 200 help sentences with an emoji, benchmarks/translate_paragraphs.py), where
 # they drop the unknown piece or write something else for it (46 of 200 came back that way)
 _PLACEHOLDER = re.compile(r"\{(\d+)\}")
+# ... and for what must come back exactly as written though the vocabulary can spell it: web and e-mail addresses,
+# which the translators otherwise break up or translate (0-2 of 200 help sentences kept an inserted one). A web
+# address runs from its scheme (or "www.") to the next space, quote or angle bracket, less closing punctuation.
+_VERBATIM = re.compile(
+    r"""(?:\b[a-z][a-z0-9+.-]*://|\bwww\.)[^\s<>"'`]+(?<![.,;:!?)\]}'"’”])"""
+    r"|\b[\w.+-]+@[\w-]+(?:\.[\w-]+)+",
+    re.IGNORECASE,
+)
+
+
+def _first_placeholder(text: str) -> int:
+    """The number a text's first placeholder gets: after any {n} it has of its own."""
+    return max((int(n) for n in _PLACEHOLDER.findall(text)), default=0) + 1
+
+
+def _protect_verbatim(text: str) -> tuple[str, tuple[str, ...], int]:
+    """The text with each web or e-mail address replaced by {n}, those addresses, and the first n."""
+    spans = tuple(_VERBATIM.findall(text))
+    if not spans:
+        return text, (), 0
+    first = _first_placeholder(text)
+    numbers = itertools.count(first)
+    return _VERBATIM.sub(lambda _: f"{{{next(numbers)}}}", text), spans, first
 
 
 @dataclass(frozen=True)
 class Source:
     """One row of a translation request: a sentence of text `text` (or the whole text), encoded with placeholders
-    {first}, {first + 1}, ... for `spans`, and the whitespace that follows it in the text."""
+    {first}, {first + 1}, ... for `spans`, the whitespace before it (a text's leading whitespace, on its first row)
+    and the whitespace that follows it in the text."""
 
     text: int
     encoded: Encoded
     spans: tuple[str, ...]
     first: int
     gap: str
+    lead: str = ""
 
 
 class Tokenizer:
@@ -114,22 +141,28 @@ class Tokenizer:
         return tuple(piece.surface or piece.piece for piece in pieces if piece.id == self.unk_id)
 
     def translation_sources(self, texts: list[str], *, split: bool, truncate: bool) -> list[Source]:
-        """/translate's rows: each text's sentences (the whole text unless `split`), each run of characters the
-        vocabulary cannot spell replaced by a placeholder, encoded. Raises TextTooLong naming the text."""
+        """/translate's rows: each text's sentences (the whole text unless `split`), its web and e-mail addresses and
+        each run of characters the vocabulary cannot spell replaced by a placeholder, encoded; the text's leading
+        and trailing whitespace kept for its translation. Raises TextTooLong naming the text."""
         sources = []
         for t, text in enumerate(texts):
-            parts = split_sentences(text) if split else [(text, "")]
-            for sentence, gap in parts:
-                spans, first = (), 0
+            body = text.strip()
+            lead = text[: len(text) - len(text.lstrip())]
+            tail = text[len(lead) + len(body) :]
+            parts = split_sentences(body) if split else [(body, "")]
+            parts[-1] = (parts[-1][0], parts[-1][1] + tail)
+            for i, (sentence, gap) in enumerate(parts):
+                protected, spans, first = _protect_verbatim(sentence)
                 try:
-                    [encoded] = self.encode_all([sentence], truncate=truncate)
+                    [encoded] = self.encode_all([protected], truncate=truncate)
                     if encoded.unknowns:  # placeholders for what the vocabulary cannot spell, then encoded again
-                        protected, spans, first = self._protect(sentence)
+                        protected, unknown_spans, after = self._protect(protected)
+                        spans, first = spans + unknown_spans, first if spans else after
                         [encoded] = self.encode_all([protected], truncate=truncate)
                 except TextTooLong as e:
                     what = "text {index}" if len(parts) == 1 else "a sentence of text {index}"
                     raise TextTooLong(t, e.n_tokens, e.n_max, what) from None
-                sources.append(Source(t, encoded, spans, first, gap))
+                sources.append(Source(t, encoded, spans, first, gap, lead if i == 0 else ""))
         return sources
 
     def translations(self, sources: list[Source], outputs: list[list[int]]) -> list[dict]:
@@ -142,7 +175,7 @@ class Tokenizer:
                 text = text.replace(f"{{{n}}}", span)
             if source.text == len(texts):
                 texts.append({"text": "", "tokens": 0})
-            texts[-1]["text"] += text + source.gap
+            texts[-1]["text"] += source.lead + text + source.gap
             texts[-1]["tokens"] += len(ids)
         return texts
 
@@ -158,7 +191,7 @@ class Tokenizer:
                     runs.append((piece.begin, piece.end))
         if not runs:
             return text, (), 0
-        first = max((int(n) for n in _PLACEHOLDER.findall(text)), default=0) + 1
+        first = _first_placeholder(text)
         out, last = [], 0
         for n, (begin, end) in enumerate(runs, first):
             out += [raw[last:begin].decode("utf-8"), f"{{{n}}}"]

@@ -9,7 +9,7 @@ import pytest
 from conftest import make_settings, running_service
 
 from service.bundle import load_bundle
-from service.tokenizer import Tokenizer, split_sentences
+from service.tokenizer import Tokenizer, _protect_verbatim, split_sentences
 
 pytestmark = pytest.mark.anyio
 
@@ -81,6 +81,40 @@ async def test_translate_puts_back_what_each_placeholder_stands_for():
         response = await client.post("/translate", json={"texts": texts})
     assert response.status_code == 200, response.text
     assert [t["text"] for t in response.json()["translations"]] == texts
+
+
+def test_web_and_e_mail_addresses_become_placeholders_without_their_closing_punctuation():
+    assert _protect_verbatim("Visit https://www.libreoffice.org/ or write to info@example.com.") == (
+        "Visit {1} or write to {2}.", ("https://www.libreoffice.org/", "info@example.com"), 1)
+    assert _protect_verbatim("See (http://a.org/x?y=1&z=2), then www.b.de/c.") == (
+        "See ({1}), then {2}.", ("http://a.org/x?y=1&z=2", "www.b.de/c"), 1)
+    assert _protect_verbatim('Mail "a.b+c@d-e.co.uk"! Or ftp://f.org.') == (
+        'Mail "{1}"! Or {2}.', ("a.b+c@d-e.co.uk", "ftp://f.org"), 1)
+    assert _protect_verbatim("Use {2} and https://x.org") == ("Use {2} and {3}", ("https://x.org",), 3)
+    for plain in ("Version 2.5 is out.", "Use e.g. Writer. Then save.", "a.b is no address", "x @ y.z"):
+        assert _protect_verbatim(plain) == (plain, (), 0)
+
+
+async def test_translate_gives_back_addresses_and_the_texts_own_spacing_as_they_were():
+    texts = ["\n\n  Visit https://www.libreoffice.org/ or write to users@global.libreoffice.org.\r\nThen 😀.\n",
+             "Mail 李明 at li@example.cn, see www.example.com/a?b=1.  ", "\tNo addresses.\r\n\r\n"]
+    settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE)
+    async with running_service(settings, wrap_runtime=Echo) as client:
+        response = await client.post("/translate", json={"texts": texts})
+        whole = await client.post("/translate", json={"texts": texts, "split_sentences": False})
+    assert response.status_code == whole.status_code == 200, response.text
+    assert [t["text"] for t in response.json()["translations"]] == texts
+    # in one piece, a line break inside the text is the model's to keep (SentencePiece reads it as a space); the
+    # text's leading and trailing whitespace is the service's
+    assert [t["text"] for t in whole.json()["translations"]] == [texts[0].replace(".\r\nThen", ". Then"), *texts[1:]]
+
+
+async def test_the_translator_keeps_a_web_address_it_would_otherwise_break():
+    text = "Visit https://help.libreoffice.org/latest/en-US/text/main.html for more information."
+    async with running_service(make_settings(MODELS, classify_model="", translate_model=BUNDLE)) as client:
+        response = await client.post("/translate", json={"text": text})
+    assert response.status_code == 200, response.text
+    assert "https://help.libreoffice.org/latest/en-US/text/main.html" in response.json()["translations"][0]["text"]
 
 
 @pytest.mark.parametrize(
