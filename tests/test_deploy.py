@@ -73,6 +73,40 @@ def test_compose_deployments_scale_behind_the_balancer_and_differ_only_in_their_
     assert grace and int(grace.group(1)) >= default_request_timeout_s() + 5  # the service's drain bound
 
 
+# where the deployments choose otherwise than the service, on purpose: one ORT thread per one-CPU replica, and the
+# CPU image's provider named
+DEPLOYMENT_CHOICES = {"LINFORMER_ORT_INTRA_OP_THREADS", "LINFORMER_ORT_INTER_OP_THREADS", "LINFORMER_EXECUTION_PROVIDER"}
+
+
+def assert_the_services_default(name: str, value: str | None) -> None:
+    """A deployment's `value` for the LINFORMER_* setting `name` is what the service would use anyway. A setting
+    whose default is None (decided per bundle, like LINFORMER_MAX_BATCH_TOKENS) must not be given a value: a
+    stale 16384 there replaced every bundle's measured batching in both deployments until the seventeenth session."""
+    from pydantic import TypeAdapter
+
+    field = Settings.model_fields[name.removeprefix("LINFORMER_").lower()]
+    if field.default is None:
+        assert value is None, f"{name}={value} replaces what the service decides per bundle"
+        return
+    assert TypeAdapter(field.annotation).validate_python(value) == field.default, f"{name}={value}: not the default"
+
+
+def test_the_deployments_serving_settings_are_the_services_own_defaults():
+    for name, value in load_compose()["x-serving-env"].items():
+        if name in DEPLOYMENT_CHOICES:
+            continue
+        if value is None:  # no value in compose: the shell's, else unset
+            continue
+        default = re.fullmatch(r"\$\{(\w+):-(.*)\}", value)  # the shell's, else this default
+        assert default and default.group(1) == name, f"{name}: {value}"
+        assert_the_services_default(name, default.group(2))
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    literals = dict(item.split("=", 1) for item in kustomization["configMapGenerator"][0]["literals"])
+    for name in {f"LINFORMER_{field.upper()}" for field in Settings.model_fields} - DEPLOYMENT_CHOICES:
+        if name in literals or Settings.model_fields[name.removeprefix("LINFORMER_").lower()].default is None:
+            assert_the_services_default(name, literals.get(name))
+
+
 def test_balancer_routes_each_port_to_its_deployment_by_least_connections_and_readiness():
     services = load_compose()["services"]
     published = {p.split(":")[1] for p in services["balancer"]["ports"]}
