@@ -24,12 +24,13 @@ from typing import TextIO
 
 import uvicorn
 from fastapi import FastAPI
+from pydantic import ValidationError
 from starlette.types import Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.app import ServiceApp, create_app
 from service.bundle import BundleError
-from service.config import Settings
+from service.config import Settings, settings_errors, unknown_variables
 from service.middleware import ADMISSION_SCOPE_KEY, Admission
 
 log = logging.getLogger("service")
@@ -41,6 +42,8 @@ log = logging.getLogger("service")
 # `benchmarks/drain.py --one-replica`, benchmarks/results/reliability-session16/).
 LAST_CALL_S = 0.5
 
+LOG_FORMAT = "time=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m service", description=__doc__)
@@ -50,7 +53,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", help="overrides LINFORMER_LOG_LEVEL")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if v is not None}
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as error:  # one line per bad setting, as for a refused bundle, and no traceback
+        logging.basicConfig(format=LOG_FORMAT)
+        for line in settings_errors(error, overrides):
+            log.error("refusing to start: %s", line)
+        sys.exit(2)
     serve(create_app(settings), settings)
 
 
@@ -168,15 +177,13 @@ def configure_logging(settings: Settings, stream: TextIO | None = None) -> None:
     CPU per /classify request (benchmarks/request_loop.py). The logging HOWTO's "Optimization" switches skip that."""
     logging._srcfile = None  # no caller lookup: the format has no %(pathname)s, %(lineno)d or %(funcName)s
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="time=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-        stream=stream,
-    )
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT, stream=stream)
 
 
 def serve(app: FastAPI, settings: Settings) -> None:
     configure_logging(settings)
+    for warning in unknown_variables(os.environ):
+        log.warning(warning)
     # uvicorn drains on SIGTERM, then re-raises the signal; a completed graceful stop should exit 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     config = uvicorn.Config(

@@ -1,9 +1,11 @@
 """All service settings in one object, read once from `LINFORMER_*` environment variables."""
 
+import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # a bundle with no measured budget (translation, or exported before calibration): 32 texts of 512 tokens
@@ -105,13 +107,47 @@ class Settings(BaseSettings):
     def _one_request_fits_an_empty_queue(self) -> "Settings":
         # otherwise a request within the per-request limits would get 429 forever, with a Retry-After that lies
         if self.max_texts_per_request > self.max_queue:
-            raise ValueError(f"MAX_TEXTS_PER_REQUEST={self.max_texts_per_request} exceeds MAX_QUEUE={self.max_queue}")
+            raise ValueError(f"LINFORMER_MAX_TEXTS_PER_REQUEST={self.max_texts_per_request} exceeds "
+                             f"LINFORMER_MAX_QUEUE={self.max_queue}")  # fmt: skip
         if self.max_decode_tokens_per_request > self.max_queued_decode_tokens:
-            raise ValueError(f"MAX_DECODE_TOKENS_PER_REQUEST={self.max_decode_tokens_per_request} exceeds "
-                             f"MAX_QUEUED_DECODE_TOKENS={self.max_queued_decode_tokens}")  # fmt: skip
+            raise ValueError(f"LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST={self.max_decode_tokens_per_request} exceeds "
+                             f"LINFORMER_MAX_QUEUED_DECODE_TOKENS={self.max_queued_decode_tokens}")  # fmt: skip
         return self
 
     @field_validator("log_level", mode="before")
     @classmethod
     def _lowercase_level(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
+
+
+# LINFORMER_* variables that are not the server's: compose.yaml's replica count
+NOT_SERVER_SETTINGS = frozenset({"LINFORMER_REPLICAS"})
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each LINFORMER_* variable that is no setting: pydantic-settings ignores it, so a misspelt limit
+    would otherwise be silently left at its default."""
+    fields = [field.upper() for field in Settings.model_fields]
+    warnings = []
+    for variable in sorted(environ):
+        name = variable.upper()  # settings are read case-insensitively
+        if name.startswith("LINFORMER_") and name[10:] not in fields and name not in NOT_SERVER_SETTINGS:
+            close = difflib.get_close_matches(name[10:], fields, n=1)  # (without the prefix all names share)
+            warnings.append(f"{variable} is not a setting and is ignored" + (f"; did you mean LINFORMER_{close[0]}?"
+                                                                             if close else ""))  # fmt: skip
+    return warnings
+
+
+def settings_errors(error: ValidationError, options: Mapping[str, object]) -> list[str]:
+    """One line per invalid setting, naming what the operator set (the variable, or the command-line option among
+    `options`) rather than pydantic's field and its documentation link."""
+    lines = []
+    for problem in error.errors():
+        message = problem["msg"].removeprefix("Value error, ")
+        if not problem["loc"]:  # a rule across settings: its message names them
+            lines.append(message)
+            continue
+        field = str(problem["loc"][0])
+        given = f"--{field.replace('_', '-')}" if field in options else f"LINFORMER_{field.upper()}"
+        lines.append(f"{given}={problem['input']!r}: {message}")
+    return lines

@@ -75,7 +75,9 @@ def test_compose_deployments_scale_behind_the_balancer_and_differ_only_in_their_
 
 # where the deployments choose otherwise than the service, on purpose: one ORT thread per one-CPU replica, and the
 # CPU image's provider named
-DEPLOYMENT_CHOICES = {"LINFORMER_ORT_INTRA_OP_THREADS", "LINFORMER_ORT_INTER_OP_THREADS", "LINFORMER_EXECUTION_PROVIDER"}
+DEPLOYMENT_CHOICES = {
+    "LINFORMER_ORT_INTRA_OP_THREADS", "LINFORMER_ORT_INTER_OP_THREADS", "LINFORMER_EXECUTION_PROVIDER"
+}
 
 
 def assert_the_services_default(name: str, value: str | None) -> None:

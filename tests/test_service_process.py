@@ -162,6 +162,38 @@ def test_an_onnx_file_that_matches_its_manifest_but_cannot_load_is_one_line_too(
     assert "verified but cannot be loaded" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_a_bad_setting_refuses_the_start_with_one_line_naming_what_was_set():
+    env = {**os.environ, "LINFORMER_MAX_CONCURRENT_REQUESTS": "many", "LINFORMER_MAX_TEXTS_PER_REQUEST": "500"}
+    proc = subprocess.run([sys.executable, "-m", "service", "--port", str(free_port()), "--log-level", "loud"],
+                          cwd=REPO, capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "errors.pydantic.dev" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2 and all("level=ERROR logger=service refusing to start: " in line for line in lines), lines
+    assert lines[0].endswith("LINFORMER_MAX_CONCURRENT_REQUESTS='many': Input should be a valid integer, unable to "
+                             "parse string as an integer")  # fmt: skip
+    assert "--log-level='loud': Input should be 'debug', 'info', 'warning', 'error' or 'critical'" in lines[1]
+    # a rule across two settings, once each is valid on its own
+    env = {**os.environ, "LINFORMER_MAX_TEXTS_PER_REQUEST": "500"}
+    proc = subprocess.run([sys.executable, "-m", "service", "--port", str(free_port())], cwd=REPO,
+                          capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(
+        "refusing to start: LINFORMER_MAX_TEXTS_PER_REQUEST=500 exceeds LINFORMER_MAX_QUEUE=256"), proc.stderr
+
+
+def test_a_linformer_variable_that_is_no_setting_is_named_at_start_up():
+    from service.config import unknown_variables
+
+    environ = {"LINFORMER_MAX_CONCURENT_REQUESTS": "64", "linformer_timeout_s": "3", "LINFORMER_REPLICAS": "2",
+               "LINFORMER_PORT": "9000", "linformer_log_level": "info", "PATH": "/bin", "LINFORMER_FOO": "1"}
+    assert unknown_variables(environ) == [
+        "LINFORMER_FOO is not a setting and is ignored",
+        "LINFORMER_MAX_CONCURENT_REQUESTS is not a setting and is ignored; did you mean "
+        "LINFORMER_MAX_CONCURRENT_REQUESTS?",
+        "linformer_timeout_s is not a setting and is ignored; did you mean LINFORMER_REQUEST_TIMEOUT_S?",
+    ]
+
+
 def test_sigterm_drains_keep_alive_clients_without_losing_a_request(models_dir):
     """SIGTERM under keep-alive load: /readyz turns 503 at once, the server keeps answering through the drain
     with `Connection: close` (each client then moves away, as behind a load balancer), nothing is lost, and the

@@ -606,9 +606,9 @@ async def test_an_integral_float_is_an_integer_as_in_json_schema(translate_model
 def test_settings_where_one_allowed_request_cannot_fit_an_empty_queue_are_refused(models_dir):
     from pydantic import ValidationError
 
-    with pytest.raises(ValidationError, match="MAX_TEXTS_PER_REQUEST=64 exceeds MAX_QUEUE=10"):
+    with pytest.raises(ValidationError, match="LINFORMER_MAX_TEXTS_PER_REQUEST=64 exceeds LINFORMER_MAX_QUEUE=10"):
         make_settings(models_dir, max_queue=10)
-    with pytest.raises(ValidationError, match="exceeds MAX_QUEUED_DECODE_TOKENS=1000"):
+    with pytest.raises(ValidationError, match="exceeds LINFORMER_MAX_QUEUED_DECODE_TOKENS=1000"):
         make_settings(models_dir, max_queued_decode_tokens=1000)
 
 
