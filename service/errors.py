@@ -141,7 +141,7 @@ def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
         413: "Body over the size limit, a text over the model's n_max tokens, or a /translate request over "
              "the compute budget (texts x beam_size x max_new_tokens).",
         422: "Invalid request: wrong types, unknown fields, empty or invisible text, text that is not valid "
-             "Unicode, non-finite numbers, a body that is not JSON.",
+             "Unicode, non-finite numbers, a body that is not JSON or is compressed (Content-Encoding).",
         429: "The server is at capacity; `Retry-After` says when to retry.",
         499: "The client closed the connection before the answer was ready (logged; nobody reads it).",
         500: "The model failed on this request's batch; other requests are unaffected.",

@@ -265,10 +265,19 @@ class TaskEndpoint:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        content_type = next((value for name, value in scope["headers"] if name == b"content-type"), None)
+        content_type = encoding = None
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                content_type = value
+            elif name == b"content-encoding":
+                encoding = value
         if content_type is not None and not _is_json(content_type):  # as FastAPI: only JSON bodies are parsed
             raise RequestValidationError([{"type": "json_type", "loc": ("body",),
                                            "msg": "the request body must be JSON (Content-Type: application/json)"}])
+        if encoding is not None and encoding.strip().lower() != b"identity":  # (it was read as "not valid UTF-8")
+            raise RequestValidationError([{"type": "content_encoding", "loc": ("body",),
+                                           "msg": f"Content-Encoding {encoding.decode('latin-1')!r} is not "
+                                                  "supported: send the body uncompressed"}])  # fmt: skip
         return b"".join(chunks)
 
     def _validate(self, body: bytes) -> TaskRequest:

@@ -84,6 +84,18 @@ async def test_a_body_that_is_not_json_is_refused_as_fastapi_does(clients):
         assert r.json()["error"]["code"] == "invalid_request"
 
 
+async def test_a_compressed_body_is_refused_naming_its_encoding(clients):
+    import gzip
+
+    route, served, _ = clients
+    body = gzip.compress(b'{"text": "the film"}')
+    r = await served.post(route, content=body, headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request"
+    assert "Content-Encoding 'gzip' is not supported" in r.json()["error"]["message"]
+    plain = {"content-type": "application/json", "content-encoding": "identity"}
+    assert (await served.post(route, content=b'{"text": "the film"}', headers=plain)).status_code == 200
+
+
 async def test_the_endpoint_counts_its_requests_under_its_route(clients):
     route, served, _ = clients
     await served.post(route, json={"text": "the film"})
