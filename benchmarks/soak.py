@@ -6,7 +6,9 @@ The server (`python -m service`, default settings, 1 ORT thread) is pinned to co
 core 1. Saturation is measured first (closed loop, 8 s at each of a few concurrencies, best throughput); then
 an open-loop rate of `fraction` x that runs for `--minutes`, with the server's RSS sampled every 5 s. Goals
 (issue #12): 0 failures (anything but 200), RSS growth < 5 % from the end of the first minute (warm-up) to the
-end. Writes soak-<bundle>.{csv,md,png}.
+end. After the soak, `--backlog-rounds` pairs of closed-loop phases, 16 clients and then 1,100 (the burst limit
+and most of the waiting room: a standing backlog), 8 s each: whether a backlog is served slower than an unloaded
+saturation on this machine, which would keep a backlog once formed. Writes soak-<bundle>.{csv,md,png}.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from benchmarks.loadgen import (  # noqa: E402
     percentile,
     post_request,
 )  # fmt: skip
+from benchmarks.overload import saturation_run  # noqa: E402
 from loadtest.report import (  # noqa: E402
     agg_subplots,
     header,
@@ -42,6 +45,9 @@ from loadtest.report import (  # noqa: E402
 
 SAMPLE_S = 5.0
 WARM_UP_S = 60.0
+# closed-loop clients that keep a backlog standing without a refusal: the default burst limit (128 in progress) and
+# most of the default waiting room (1,024)
+BACKLOG_CLIENTS = 1100
 
 
 def main() -> None:
@@ -50,6 +56,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--fraction", type=float, default=0.7)
     parser.add_argument("--setting", action="append", default=[], help="extra LINFORMER_X=value for the server")
+    parser.add_argument("--backlog-rounds", type=int, default=2, help="after the soak: 16 vs 1,100 clients, pairs")
     parser.add_argument("--stem", help="results file name (default soak-<bundle>)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
@@ -90,6 +97,9 @@ def main() -> None:
 
         records = asyncio.run(run())
         rss.append((seconds, server.rss_mb()))
+        backlog = []
+        for n in range(args.backlog_rounds):
+            backlog += saturation_run(server, request, [16, BACKLOG_CLIENTS], f"round {n + 1}")
     finally:
         exit_code = server.stop()
     rows = []
@@ -116,6 +126,8 @@ def main() -> None:
     stem = args.stem or f"soak-{args.bundle}"
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{stem}.csv", rows)
+    if backlog:
+        write_csv(args.out / f"{stem}-backlog.csv", backlog)
     plot(rows, args.out / f"{stem}.png", rate, f"{args.bundle}: {rate:.0f} req/s open loop for {args.minutes:g} min")
     lines = header(f"Soak: {args.bundle}, {args.minutes:g} minutes at {args.fraction:.0%} of saturation",
                    ("onnxruntime", "fastapi", "uvicorn"), load_before)  # fmt: skip
@@ -144,10 +156,34 @@ def main() -> None:
         "",
         f"Server exit code on SIGTERM: {exit_code}. RSS at start of the soak: {rss[0][1]:.1f} MB.",
         "",
+        *backlog_section(backlog),
         f"![throughput, latency and RSS over time]({stem}.png)",
         "",
     ]  # fmt: skip
     write_markdown(args.out / f"{stem}.md", lines)
+
+
+def backlog_section(rows: list[dict]) -> list[str]:
+    """Is a standing backlog served slower than an unloaded saturation (then a backlog, once formed, would stay)?"""
+    if not rows:
+        return []
+    for row in rows:
+        row["loop_us_per_request"] = row["loop_share"] / row["throughput_rps"] * 1e6
+    rates = {clients: [row["throughput_rps"] for row in rows if row["clients"] == clients]
+             for clients in (16, BACKLOG_CLIENTS)}  # fmt: skip
+    return [
+        "## A backlog against an unloaded saturation", "",
+        f"After the soak, closed-loop phases of 8 s taking turns: 16 clients, then {BACKLOG_CLIENTS} (128 in progress, "
+        "the rest in the waiting room: a standing backlog, no refusal).", "",
+        *markdown_table(rows, {"when": "round", "clients": "clients", "throughput_rps": "200/s", "p99_ms": "p99 (ms)",
+                               "rejected_429": "429", "loop_share": "event loop's share of the core",
+                               "other_share": "compute threads' share",
+                               "loop_us_per_request": "event-loop CPU per request (µs)"}),  # fmt: skip
+        "",
+        f"200/s with a backlog: {', '.join(f'{r:.0f}' for r in rates[BACKLOG_CLIENTS])}; with 16 clients: "
+        f"{', '.join(f'{r:.0f}' for r in rates[16])}.",
+        "",
+    ]
 
 
 def plot(rows: list[dict], path: Path, rate: float, title: str) -> None:
