@@ -97,7 +97,8 @@ def test_web_and_e_mail_addresses_become_placeholders_without_their_closing_punc
 
 async def test_translate_gives_back_addresses_and_the_texts_own_spacing_as_they_were():
     texts = ["\n\n  Visit https://www.libreoffice.org/ or write to users@global.libreoffice.org.\r\nThen 😀.\n",
-             "Mail 李明 at li@example.cn, see www.example.com/a?b=1.  ", "\tNo addresses.\r\n\r\n"]
+             "Mail 李明 at li@example.cn, see www.example.com/a?b=1.  ", "\tNo addresses.\r\n\r\n",
+             "Fill in {2} at https://example.org/{1}/{3} or {1}."]  # the text's own {n}, one inside an address
     settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE)
     async with running_service(settings, wrap_runtime=Echo) as client:
         response = await client.post("/translate", json={"texts": texts})
