@@ -95,6 +95,23 @@ def test_web_and_e_mail_addresses_become_placeholders_without_their_closing_punc
         assert _protect_verbatim(plain) == (plain, (), 0)
 
 
+def test_sentence_splitting_and_addresses_take_linear_time_on_text_made_to_be_slow():
+    """Both run on the event loop, before any length check. They were quadratic: 900 KB of initials took 16 s to
+    split (every period looked back at the whole unsplit run), 40 KB of "a.a.a..." 14 s to scan for addresses (every
+    word boundary started a scan to the text's end). Linear, each takes well under a second here; the bound leaves
+    room for a slow machine and still fails the quadratic forms by far."""
+    import time
+
+    initials = "A. " * 200_000  # 600 KB, no sentence boundary: one sentence
+    started = time.perf_counter()
+    assert len(split_sentences(initials)) == 1
+    assert time.perf_counter() - started < 3.0
+    boundaries = "a." * 20_000 + "@"  # a word boundary at every character, and an @ so the scan runs
+    started = time.perf_counter()
+    assert _protect_verbatim(boundaries) == (boundaries, (), 0)
+    assert time.perf_counter() - started < 2.0
+
+
 async def test_translate_gives_back_addresses_and_the_texts_own_spacing_as_they_were():
     texts = ["\n\n  Visit https://www.libreoffice.org/ or write to users@global.libreoffice.org.\r\nThen 😀.\n",
              "Mail 李明 at li@example.cn, see www.example.com/a?b=1.  ", "\tNo addresses.\r\n\r\n",
