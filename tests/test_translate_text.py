@@ -97,8 +97,9 @@ def test_web_and_e_mail_addresses_become_placeholders_without_their_closing_punc
 
 def test_sentence_splitting_and_addresses_take_linear_time_on_text_made_to_be_slow():
     """Both run on the event loop, before any length check. They were quadratic: 900 KB of initials took 16 s to
-    split (every period looked back at the whole unsplit run), 40 KB of "a.a.a..." 14 s to scan for addresses (every
-    word boundary started a scan to the text's end). Linear, each takes well under a second here; the bound leaves
+    split (every period looked back at the whole unsplit run), 40 KB of spaces 3 s (each space began a scan for a
+    line break to the run's end), 40 KB of "a.a.a..." 14 s to scan for addresses (every word boundary started a scan
+    to the text's end). Linear, each takes well under a second here; the bound leaves
     room for a slow machine and still fails the quadratic forms by far."""
     import time
 
@@ -106,6 +107,10 @@ def test_sentence_splitting_and_addresses_take_linear_time_on_text_made_to_be_sl
     started = time.perf_counter()
     assert len(split_sentences(initials)) == 1
     assert time.perf_counter() - started < 3.0
+    spaces = "x" + " \t" * 100_000 + "y"  # 200 KB of spaces and tabs with no line break (quadratic: 75 s)
+    started = time.perf_counter()
+    assert split_sentences(spaces) == [(spaces, "")]
+    assert time.perf_counter() - started < 2.0
     boundaries = "a." * 20_000 + "@"  # a word boundary at every character, and an @ so the scan runs
     started = time.perf_counter()
     assert _protect_verbatim(boundaries) == (boundaries, (), 0)
