@@ -66,7 +66,9 @@ class Encoded:
 # {1}, {2}, ... stand in a translation's source for what the vocabulary cannot spell: the translators copy such a
 # placeholder into their output (179 of 200 help sentences with an emoji, benchmarks/translate_paragraphs.py), where
 # they drop the unknown piece or write something else for it (46 of 200 came back that way)
-_PLACEHOLDER = re.compile(r"\{(\d+)\}")
+# (a text's own {n} count up to nine digits: ours come after them, and a longer one cannot be mistaken for ours;
+# unbounded, "{" + 5,000 nines + "}" was an integer Python refuses to convert, a 500)
+_PLACEHOLDER = re.compile(r"\{(\d{1,9})\}")
 # ... and for what must come back exactly as written though the vocabulary can spell it: web and e-mail addresses,
 # which the translators otherwise break up or translate (0-2 of 200 help sentences kept an inserted one). A web
 # address runs from its scheme (or "www.") to the next space, quote or angle bracket, less closing punctuation. A

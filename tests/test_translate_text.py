@@ -120,11 +120,16 @@ def test_sentence_splitting_and_addresses_take_linear_time_on_text_made_to_be_sl
 async def test_translate_gives_back_addresses_and_the_texts_own_spacing_as_they_were():
     texts = ["\n\n  Visit https://www.libreoffice.org/ or write to users@global.libreoffice.org.\r\nThen 😀.\n",
              "Mail 李明 at li@example.cn, see www.example.com/a?b=1.  ", "\tNo addresses.\r\n\r\n",
-             "Fill in {2} at https://example.org/{1}/{3} or {1}."]  # the text's own {n}, one inside an address
+             "Fill in {2} at https://example.org/{1}/{3} or {1}.",  # the text's own {n}, one inside an address
+             "See {" + "9" * 20 + "} and {1234567890} at www.example.org 😀."]  # {n} too long to be ours
     settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE)
     async with running_service(settings, wrap_runtime=Echo) as client:
         response = await client.post("/translate", json={"texts": texts})
         whole = await client.post("/translate", json={"texts": texts, "split_sentences": False})
+        # a {n} longer than Python converts to an integer (4,300 digits), before an address: an answer, not a 500
+        huge = "😀 {" + "9" * 5000 + "} www.example.org"
+        huge = await client.post("/translate", json={"text": huge, "truncate": True})
+    assert huge.status_code == 200, huge.text
     assert response.status_code == whole.status_code == 200, response.text
     assert [t["text"] for t in response.json()["translations"]] == texts
     # in one piece, a line break inside the text is the model's to keep (SentencePiece reads it as a space); the
