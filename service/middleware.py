@@ -378,6 +378,19 @@ class RequestContextMiddleware:
                 b"retry-after: %d\r\nx-request-id: %s\r\n%s\r\n%s%s%s"
                 % (body_length, self._refuse(task), encoded_id, close, before_id, encoded_id, after_id))  # fmt: skip
 
+    def malformed(self, message: str, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | None) -> bytes:
+        """The whole HTTP/1.1 answer to a request uvicorn's parser could not read (`message` is uvicorn's reason),
+        in the one error shape: uvicorn's own is a text/plain line without a request id. The connection closes, as
+        uvicorn closes it: after a parse error nothing more on it can be read reliably."""
+        request_id = self._request_id(headers)
+        body = error_body("bad_request", f"the request is not valid HTTP/1.1 ({message.rstrip('.')}); nothing was "
+                          "processed", request_id)  # fmt: skip
+        self.metrics.observe_request("unmatched", 400, 0.0)
+        access_log.info("request_id=%s method=- path=- status=400 duration_ms=0.00 client=%s", request_id,
+                        (client or ("-", 0))[0])  # fmt: skip
+        return (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"x-request-id: %s\r\nconnection: close\r\n\r\n%s" % (len(body), request_id.encode(), body))
+
     def _refuse(self, task: str) -> int:
         """Count a refusal at admission; -> Retry-After in seconds: the recent time a request of this task spends in
         the server, by which the requests in progress will be done (Little's law)."""

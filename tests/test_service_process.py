@@ -1,5 +1,6 @@
 """The service as it runs in production: a uvicorn process on a loopback port, stopped with SIGTERM."""
 
+import json
 import os
 import signal
 import socket
@@ -67,6 +68,19 @@ def test_python_m_service_serves_over_http_and_exits_cleanly_on_sigterm(models_d
         headers = {"content-type": "application/json"}
         big = httpx.post(f"{base}/classify", content=b"x" * (2 << 20), headers=headers)
         assert big.status_code == 413
+        # what uvicorn's parser cannot read gets the one error shape too (uvicorn's own: a text/plain line)
+        two_lengths = b"POST /classify HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 5\r\n\r\n{}"
+        for garbage in (b"GARBAGE\r\n\r\n", two_lengths):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                conn.sendall(garbage)
+                answer = b""
+                while chunk := conn.recv(65536):  # the server closes the connection after it
+                    answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            lines = head.decode().lower().split("\r\n")
+            assert lines[0] == "http/1.1 400 bad request" and "content-type: application/json" in lines, answer
+            error = json.loads(body)["error"]
+            assert error["code"] == "bad_request" and f"x-request-id: {error['request_id']}" in lines, answer
     finally:
         code, out = stop(proc)
     assert code == 0, out
