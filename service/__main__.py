@@ -171,7 +171,7 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
         def send_400_response(self, msg: str) -> None:
             """What the parser could not read gets the service's error shape, not uvicorn's text/plain line."""
             context = app.request_context
-            if context is None:  # no request has built the middleware stack yet
+            if context is None:  # the middleware stack is not built yet (Starlette builds it on the lifespan call)
                 super().send_400_response(msg)
                 return
             self.transport.write(context.malformed(msg, self.headers or [], self.client))
