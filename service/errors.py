@@ -25,6 +25,7 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but logs and metri
 _CODE_BY_STATUS = {
     400: "bad_request",
     404: "not_found",
+    408: "request_timeout",
     405: "method_not_allowed",
     413: "body_too_large",
     422: "invalid_request",
@@ -138,6 +139,7 @@ def install_error_handlers(app: FastAPI) -> None:
 def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` for a route: each status it can answer, all in the one error shape."""
     meaning = {
+        408: "The request body did not arrive within the request deadline (a client that stalls or trickles).",
         413: "Body over the size limit, a text over the model's n_max tokens, or a /translate request over "
              "the compute budget (texts x beam_size x max_new_tokens).",
         422: "Invalid request: wrong types, unknown fields, empty or invisible text, text that is not valid "

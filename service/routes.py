@@ -41,7 +41,7 @@ from service.tokenizer import Encoded, TextTooLong
 
 router = APIRouter()
 
-TASK_RESPONSES = documented(413, 422, 429, 499, 500, 503, 504)
+TASK_RESPONSES = documented(408, 413, 422, 429, 499, 500, 503, 504)
 
 
 # ---- shared steps ----
@@ -242,7 +242,7 @@ class TaskEndpoint:
         request_id = scope["state"]["request_id"]
         headers: list[tuple[bytes, bytes]] = []
         try:
-            body = await self._read_body(scope, receive)
+            body = await self._read_body(scope, receive, _time_left_s(scope, self.state))
             status, answer = 200, await self.answer(self.state, self._validate(body), scope, receive)
         except ServiceError as e:
             status, answer = e.status, error_body(e.code, e.message, request_id)
@@ -255,16 +255,39 @@ class TaskEndpoint:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": answer})
 
-    @staticmethod
-    async def _read_body(scope: Scope, receive: Receive) -> bytes:
+    async def _read_body(self, scope: Scope, receive: Receive, time_left_s: float) -> bytes:
+        """The body, within what is left of the request's deadline: a client that sends its headers and then
+        stalls or trickles would otherwise hold its admission slot for as long as it keeps the connection (a
+        hundred such connections, the burst limit, and every other request waited in the room until its 504)."""
         chunks = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ServiceError(CLIENT_CLOSED_REQUEST, "client_closed_request", "client closed the request")
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
+        task = asyncio.current_task()
+        assert task is not None
+        expired = []
+
+        def expire() -> None:
+            expired.append(True)
+            task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(max(0.0, time_left_s), expire)
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ServiceError(CLIENT_CLOSED_REQUEST, "client_closed_request", "client closed the request")
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+        except asyncio.CancelledError:
+            if not expired:
+                raise  # cancelled from outside (shutdown), not by the deadline
+            if hasattr(task, "uncancel"):  # Python 3.11+: the cancellation is answered here, not propagated
+                task.uncancel()
+            raise ServiceError(408, "request_timeout",
+                               f"the request body did not arrive within {self.state.settings.request_timeout_s:g} s "
+                               "(LINFORMER_REQUEST_TIMEOUT_S) of the request's arrival",
+                               headers={"Connection": "close"}) from None  # fmt: skip
+        finally:
+            timer.cancel()
         content_type = encoding = None
         for name, value in scope["headers"]:
             if name == b"content-type":

@@ -488,3 +488,26 @@ def test_the_deadline_counts_from_arrival_not_from_when_the_body_is_in(models_di
     finally:
         code, out = stop(proc)
     assert code == 0, out
+
+
+def test_a_body_that_does_not_arrive_by_the_deadline_is_answered_408_and_frees_its_slot(models_dir):
+    """A client that sends its headers and stalls held its admission slot for as long as it kept the connection
+    (before: no answer at all, and every request behind it waited in the room until its own 504)."""
+    port = free_port()
+    proc = start(["-c", _serve_script(models_dir, port, max_concurrent_requests=1, request_timeout_s=2.0)], port)
+    body = b'{"text": "the film"}'
+    try:
+        staller = _post_over_socket(port, body, with_body=False)  # admitted, then nothing: its one slot is taken
+        time.sleep(1.5)
+        waiting = _post_over_socket(port, body)  # waits for the slot, its own deadline 2 s from now
+        staller.settimeout(10)
+        answer = b""
+        while chunk := staller.recv(65536):  # answered, then closed (the unread body leaves it unusable)
+            answer += chunk
+        head, _, error = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), answer
+        assert json.loads(error)["error"]["code"] == "request_timeout"
+        assert _status_of_answer(waiting) == 200  # the slot went on to it in time
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
