@@ -5,6 +5,7 @@ import asyncio
 import json
 import time
 
+import httpx
 import pytest
 from conftest import SlowRuntime, make_settings, running_service
 
@@ -635,3 +636,35 @@ async def test_admission_a_held_back_pile_gets_its_slots_when_nothing_else_happe
     await asyncio.sleep(FLOOD_WINDOW_S * 1.5)
     assert sum(w.done() and w.result() is Admission.ADMIT for w in waiters) == 8 and route.in_flight == 8
     assert not route.shedding
+
+
+async def test_a_request_that_waits_past_its_deadline_is_answered_504_and_never_admitted_late(models_dir):
+    """The waiting room is bounded in time too: a request that gets no slot within LINFORMER_REQUEST_TIMEOUT_S is
+    answered 504 deadline_exceeded when its deadline passes, not admitted and computed later. (Every request gives
+    its slot back by its own deadline, a stalled upload too (408), so behind requests that arrived before it a
+    request gets a slot in time; the slot here is held as by one that overran its deadline.)"""
+    from service.app import create_app
+
+    settings = make_settings(models_dir, translate_model="", max_concurrent_requests=1, max_waiting_requests=4,
+                             request_timeout_s=0.5)  # fmt: skip
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+            await client.get("/healthz")  # the first request builds the middleware stack
+            admission = app.request_context.admission["/classify"]
+            admission.in_flight = 1  # the one slot, held
+            started = time.monotonic()
+            late = await client.post("/classify", json={"text": "the film"}, headers={"x-request-id": "late-1"})
+            waited = time.monotonic() - started
+            assert late.status_code == 504 and 0.45 <= waited < 2.0, (late.status_code, waited)
+            error = late.json()["error"]
+            assert error["code"] == "deadline_exceeded" and error["request_id"] == "late-1"
+            assert "LINFORMER_REQUEST_TIMEOUT_S" in error["message"]
+            metrics = (await client.get("/metrics")).text
+            assert 'linformer_left_waiting_requests_total{reason="deadline",route="/classify"} 1.0' in metrics
+            computed = [float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("linformer_batch_size_sum")]  # fmt: skip
+            assert sum(computed) == 0  # never computed
+            admission.in_flight = 0
+            assert (await client.post("/classify", json={"text": "the film"})).status_code == 200  # the slot is free
