@@ -442,10 +442,9 @@ def test_a_waiting_request_whose_client_closes_leaves_the_room_and_the_slot_goes
 
 
 def test_the_deadline_counts_from_arrival_not_from_when_the_body_is_in(models_dir):
-    """One deadline per request from its arrival: a request admitted at once whose body comes in after its
-    LINFORMER_REQUEST_TIMEOUT_S has passed is answered when the deadline passes (408: its upload did not finish in
-    time; a wait in the room past it is a 504) without being computed, instead of starting a fresh timeout when it
-    reaches the batcher."""
+    """One deadline per request from its arrival: a request admitted at once whose body has not come in when its
+    LINFORMER_REQUEST_TIMEOUT_S has passed is answered then (408: its upload did not finish in time; a wait in the
+    room past it is a 504) without being computed, instead of starting a fresh timeout when it reaches the batcher."""
     port = free_port()
     proc = start(["-c", _serve_script(models_dir, port, request_timeout_s=0.5)], port)
     base = f"http://127.0.0.1:{port}"
