@@ -120,8 +120,9 @@ class Settings(BaseSettings):
         return value.lower() if isinstance(value, str) else value
 
 
+PREFIX = Settings.model_config["env_prefix"]  # LINFORMER_
 # LINFORMER_* variables that are not the server's: compose.yaml's replica count
-NOT_SERVER_SETTINGS = frozenset({"LINFORMER_REPLICAS"})
+NOT_SERVER_SETTINGS = frozenset({f"{PREFIX}REPLICAS"})
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
@@ -131,9 +132,10 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     warnings = []
     for variable in sorted(environ):
         name = variable.upper()  # settings are read case-insensitively
-        if name.startswith("LINFORMER_") and name[10:] not in fields and name not in NOT_SERVER_SETTINGS:
-            close = difflib.get_close_matches(name[10:], fields, n=1)  # (without the prefix all names share)
-            warnings.append(f"{variable} is not a setting and is ignored" + (f"; did you mean LINFORMER_{close[0]}?"
+        field = name.removeprefix(PREFIX)
+        if field != name and field not in fields and name not in NOT_SERVER_SETTINGS:
+            close = difflib.get_close_matches(field, fields, n=1)  # (without the prefix all names share)
+            warnings.append(f"{variable} is not a setting and is ignored" + (f"; did you mean {PREFIX}{close[0]}?"
                                                                              if close else ""))  # fmt: skip
     return warnings
 
@@ -148,6 +150,6 @@ def settings_errors(error: ValidationError, options: Mapping[str, object]) -> li
             lines.append(message)
             continue
         field = str(problem["loc"][0])
-        given = f"--{field.replace('_', '-')}" if field in options else f"LINFORMER_{field.upper()}"
+        given = f"--{field.replace('_', '-')}" if field in options else f"{PREFIX}{field.upper()}"
         lines.append(f"{given}={problem['input']!r}: {message}")
     return lines

@@ -25,7 +25,6 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's code: nobody reads it, but logs and metri
 _CODE_BY_STATUS = {
     400: "bad_request",
     404: "not_found",
-    408: "request_timeout",
     405: "method_not_allowed",
     413: "body_too_large",
     422: "invalid_request",
