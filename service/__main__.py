@@ -148,10 +148,54 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
     cycle, timers and ASGI task: under a flood most requests are refusals, and each one costs the core the model
     runs on. Written against uvicorn 0.54's callbacks (`pyproject.toml` pins the minor version;
     tests/test_service_reliability.py fails if the hook stops being called). Anything unusual (a pipelined
-    request, an upgrade, a query string) takes uvicorn's path, where the ASGI middleware decides instead."""
+    request, an upgrade, a query string) takes uvicorn's path, where the ASGI middleware decides instead.
+    It also bounds the time before a request is read, which uvicorn does not (a slowloris held a connection for ever
+    by sending nothing or a byte at a time): a new connection has uvicorn's keep-alive timeout to start a request,
+    and a request its deadline to finish its headers (408); and what uvicorn's parser cannot read gets the error
+    shape."""
 
     class AdmittingHttpToolsProtocol(HttpToolsProtocol):
+        in_head = False  # a request's first byte has arrived, not yet all of its headers
+        head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            # uvicorn arms its keep-alive timeout only after an answer, so a connection that never sent a byte was
+            # held for ever (each is an open file): it gets the same time as an idle keep-alive connection
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)  # fmt: skip
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.in_head = True
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            # a head that did not come whole (most come in one read, and need no timer) must be complete within
+            # the request timeout: uvicorn resets its keep-alive timer on every byte, so a client trickling a
+            # header held its connection for ever (the body is bounded by the request's deadline, TaskEndpoint)
+            if self.in_head and self.head_timer is None and not self.transport.is_closing():
+                self.head_timer = self.loop.call_later(app.state.service.settings.request_timeout_s,
+                                                       self._head_timed_out)  # fmt: skip
+
+        def _head_timed_out(self) -> None:
+            self.head_timer = None
+            if not self.in_head or self.transport.is_closing():
+                return
+            if (context := app.request_context) is not None:  # (None: the middleware stack is not built yet)
+                self.transport.write(context.head_timed_out(self.headers, self.client))
+            self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+            super().connection_lost(exc)
+
         def on_headers_complete(self) -> None:
+            self.in_head = False
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
             context = app.request_context
             decision = None
             # (uvicorn's own limit_concurrency would hand the request to its 503 app instead of ours: not used)

@@ -138,7 +138,8 @@ def install_error_handlers(app: FastAPI) -> None:
 def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` for a route: each status it can answer, all in the one error shape."""
     meaning = {
-        408: "The request body did not arrive within the request deadline (a client that stalls or trickles).",
+        408: "The request's headers or body did not arrive within the request deadline (a client that stalls or "
+             "trickles).",
         413: "Body over the size limit, a text over the model's n_max tokens, or a /translate request over "
              "the compute budget (texts x beam_size x max_new_tokens).",
         422: "Invalid request: wrong types, unknown fields, empty or invisible text, text that is not valid "

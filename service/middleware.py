@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from enum import Enum
+from http import HTTPStatus
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -382,14 +383,27 @@ class RequestContextMiddleware:
         """The whole HTTP/1.1 answer to a request uvicorn's parser could not read (`message` is uvicorn's reason),
         in the one error shape: uvicorn's own is a text/plain line without a request id. The connection closes, as
         uvicorn closes it: after a parse error nothing more on it can be read reliably."""
+        return self._closing_answer(400, "bad_request", f"the request is not valid HTTP/1.1 ({message.rstrip('.')});"
+                                    " nothing was processed", headers, client)  # fmt: skip
+
+    def head_timed_out(self, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | None) -> bytes:
+        """The whole HTTP/1.1 answer to a request whose headers did not all arrive within the request timeout of
+        their first byte (uvicorn has no such bound: a client trickling a header held its connection for ever)."""
+        return self._closing_answer(408, "request_timeout", "the request's headers did not arrive within "
+                                    f"{self.state.settings.request_timeout_s:g} s (LINFORMER_REQUEST_TIMEOUT_S) of "
+                                    "their first byte; nothing was processed", headers, client)  # fmt: skip
+
+    def _closing_answer(self, status: int, code: str, message: str, headers: list[tuple[bytes, bytes]],
+                        client: tuple[str, int] | None) -> bytes:  # fmt: skip
+        """An answer in the error shape, logged and counted, after which the server closes the connection."""
         request_id = self._request_id(headers)
-        body = error_body("bad_request", f"the request is not valid HTTP/1.1 ({message.rstrip('.')}); nothing was "
-                          "processed", request_id)  # fmt: skip
-        self.metrics.observe_request("unmatched", 400, 0.0)
-        access_log.info("request_id=%s method=- path=- status=400 duration_ms=0.00 client=%s", request_id,
+        body = error_body(code, message, request_id)
+        self.metrics.observe_request("unmatched", status, 0.0)
+        access_log.info("request_id=%s method=- path=- status=%d duration_ms=0.00 client=%s", request_id, status,
                         (client or ("-", 0))[0])  # fmt: skip
-        return (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                b"x-request-id: %s\r\nconnection: close\r\n\r\n%s" % (len(body), request_id.encode(), body))
+        return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nx-request-id: %s\r\n"
+                b"connection: close\r\n\r\n%s" % (status, HTTPStatus(status).phrase.encode(), len(body),
+                                                    request_id.encode(), body))  # fmt: skip
 
     def _refuse(self, task: str) -> int:
         """Count a refusal at admission; -> Retry-After in seconds: the recent time a request of this task spends in
