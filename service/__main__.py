@@ -162,6 +162,9 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
             super().connection_made(transport)
             # uvicorn arms its keep-alive timeout only after an answer, so a connection that never sent a byte was
             # held for ever (each is an open file): it gets the same time as an idle keep-alive connection
+            self._arm_keep_alive()
+
+        def _arm_keep_alive(self) -> None:
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                 self.timeout_keep_alive_handler)  # fmt: skip
 
@@ -170,13 +173,18 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
             self.in_head = True
 
         def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            # a head that did not come whole (most come in one read, and need no timer) must be complete within
-            # the request timeout: uvicorn resets its keep-alive timer on every byte, so a client trickling a
-            # header held its connection for ever (the body is bounded by the request's deadline, TaskEndpoint)
-            if self.in_head and self.head_timer is None and not self.transport.is_closing():
-                self.head_timer = self.loop.call_later(app.state.service.settings.request_timeout_s,
-                                                       self._head_timed_out)  # fmt: skip
+            super().data_received(data)  # (uvicorn's first step: cancel the keep-alive timer)
+            if self.transport.is_closing():
+                return
+            if self.in_head:
+                # a head that did not come whole (most come in one read, and need no timer) must be complete within
+                # the request timeout: uvicorn resets its keep-alive timer on every byte, so a client trickling a
+                # header held its connection for ever (the body is bounded by the request's deadline, TaskEndpoint)
+                if self.head_timer is None:
+                    self.head_timer = self.loop.call_later(app.state.service.settings.request_timeout_s,
+                                                           self._head_timed_out)  # fmt: skip
+            elif self.timeout_keep_alive_task is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm_keep_alive()  # bytes that began no request (blank lines): as idle as before them
 
         def _head_timed_out(self) -> None:
             self.head_timer = None
@@ -247,7 +255,7 @@ def raise_open_files_limit() -> tuple[int, int]:
     if hard != resource.RLIM_INFINITY and 0 <= soft < hard:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):  # a sandbox that forbids it: keep the soft limit (and warn, below)
+        except (ValueError, OSError):  # a sandbox that forbids it: keep the soft limit (check_open_files warns)
             return soft, soft
         return soft, hard
     return soft, soft

@@ -547,19 +547,21 @@ def test_a_body_that_does_not_arrive_by_the_deadline_is_answered_408_and_frees_i
 def test_a_connection_that_sends_nothing_or_trickles_its_headers_is_not_held_for_ever(models_dir):
     """uvicorn arms its keep-alive timeout only after an answer and resets it on every byte: a connection that
     sent nothing, or a header a byte at a time, was held for as long as the client liked (a slowloris: each is an
-    open file, and at the limit new connections are closed unanswered). A silent new connection is closed after
-    the keep-alive timeout (uvicorn's 5 s); headers not complete within the request timeout of their first byte
+    open file, and at the limit new connections are closed unanswered). A silent new connection, or one sending
+    only blank lines, is closed after the keep-alive timeout (uvicorn's 5 s); headers not complete within the request timeout of their first byte
     are answered 408 in the error shape and the connection closed; a request in one piece is unaffected."""
     port = free_port()
     proc = start(["-c", _serve_script(models_dir, port, request_timeout_s=1.0, drain_s=0.0)], port)
     try:
         silent = socket.create_connection(("127.0.0.1", port))
+        blank_lines = socket.create_connection(("127.0.0.1", port))  # bytes, but never a request
         trickler = socket.create_connection(("127.0.0.1", port))
         trickler.sendall(b"POST /classify HTTP/1.1\r\nhost: test\r\n")
         answer, started = b"", time.monotonic()
         trickler.settimeout(0.25)
         while time.monotonic() - started < 10:
             try:
+                blank_lines.sendall(b"\r\n")
                 trickler.sendall(b"x-a: b\r\n")  # a header line every 0.25 s: the keep-alive timer never runs out
                 if not (chunk := trickler.recv(65536)):
                     break
@@ -572,8 +574,9 @@ def test_a_connection_that_sends_nothing_or_trickles_its_headers_is_not_held_for
         assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), answer
         assert json.loads(error)["error"]["code"] == "request_timeout"
         assert time.monotonic() - started < 5
-        silent.settimeout(15)
-        assert silent.recv(65536) == b""  # closed, unanswered, as an idle keep-alive connection is
+        for idle in (silent, blank_lines):
+            idle.settimeout(15)
+            assert idle.recv(65536) == b""  # closed, unanswered, as an idle keep-alive connection is
         assert _status_of_answer(_post_over_socket(port, b'{"text": "the film"}')) == 200
         assert _metric(f"http://127.0.0.1:{port}", 'linformer_requests_total{route="unmatched",status="408"}') == 1
     finally:
