@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import TextIO
@@ -32,7 +33,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from service.app import ServiceApp, create_app
 from service.bundle import BundleError
 from service.config import Settings, settings_errors, unknown_variables
-from service.middleware import ADMISSION_SCOPE_KEY, Admission
+from service.middleware import ADMISSION_SCOPE_KEY, Admission, RequestContextMiddleware
 
 log = logging.getLogger("service")
 
@@ -42,6 +43,10 @@ log = logging.getLogger("service")
 # lost requests that way (a read error, where a refused connection would have told them that nothing was sent;
 # `benchmarks/drain.py --one-replica`, benchmarks/results/reliability-session16/).
 LAST_CALL_S = 0.5
+
+# The most a request's head (request line and headers) may take: uvicorn has no bound and keeps every header line
+# (nginx refuses beyond 32 KiB by default, Node.js 16 KiB; a JSON API's head is well under 1 KiB).
+MAX_HEAD_BYTES = 64 * 1024
 
 # Files the process opens besides its connections: models, logs, the event loop's and the compute threads' own.
 OTHER_FILES = 64
@@ -155,8 +160,11 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
     shape."""
 
     class AdmittingHttpToolsProtocol(HttpToolsProtocol):
-        in_head = False  # a request's first byte has arrived, not yet all of its headers
-        head_timer: asyncio.TimerHandle | None = None
+        # the bytes of a request's head that has begun and is not complete, counted from the reads that ended
+        # inside it; None between heads. One attribute: uvicorn's protocol has 28, and past 29 an instance's
+        # attributes no longer share their keys, 1.3 KB more for every connection
+        head_bytes: int | None = None
+        head_timer: asyncio.TimerHandle | None = None  # (only where a head spans reads)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -170,17 +178,22 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self.in_head = True
+            self.head_bytes = 0
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)  # (uvicorn's first step: cancel the keep-alive timer)
             if self.transport.is_closing():
                 return
-            if self.in_head:
-                # a head that did not come whole (most come in one read, and need no timer) must be complete within
-                # the request timeout: uvicorn resets its keep-alive timer on every byte, so a client trickling a
-                # header held its connection for ever (the body is bounded by the request's deadline, TaskEndpoint)
-                if self.head_timer is None:
+            if self.head_bytes is not None:
+                # a head that did not come whole (most come in one read, and need neither) must be complete within
+                # the request timeout and MAX_HEAD_BYTES: uvicorn resets its keep-alive timer on every byte, so a
+                # client trickling a header held its connection for ever, and keeps every header line it is sent,
+                # so one connection sending lines made the process grow without bound (the body is bounded by the
+                # request's deadline, TaskEndpoint, and by LINFORMER_MAX_BODY_BYTES)
+                self.head_bytes += len(data)
+                if self.head_bytes > MAX_HEAD_BYTES:
+                    self._end_head(lambda context: context.head_too_large(MAX_HEAD_BYTES, self.headers, self.client))
+                elif self.head_timer is None:
                     self.head_timer = self.loop.call_later(app.state.service.settings.request_timeout_s,
                                                            self._head_timed_out)  # fmt: skip
             elif self.timeout_keep_alive_task is None and (self.cycle is None or self.cycle.response_complete):
@@ -188,10 +201,13 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
 
         def _head_timed_out(self) -> None:
             self.head_timer = None
-            if not self.in_head or self.transport.is_closing():
-                return
+            if self.head_bytes is not None and not self.transport.is_closing():
+                self._end_head(lambda context: context.head_timed_out(self.headers, self.client))
+
+        def _end_head(self, answer: Callable[[RequestContextMiddleware], bytes]) -> None:
+            """Answer a request whose head is refused before it is complete, and close the connection."""
             if (context := app.request_context) is not None:  # (None: the middleware stack is not built yet)
-                self.transport.write(context.head_timed_out(self.headers, self.client))
+                self.transport.write(answer(context))
             self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -200,7 +216,7 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
             super().connection_lost(exc)
 
         def on_headers_complete(self) -> None:
-            self.in_head = False
+            self.head_bytes = None
             if self.head_timer is not None:
                 self.head_timer.cancel()
                 self.head_timer = None

@@ -138,6 +138,7 @@ def install_error_handlers(app: FastAPI) -> None:
 def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` for a route: each status it can answer, all in the one error shape."""
     meaning = {
+        400: "Not valid HTTP/1.1 (a malformed request line or header, two Content-Lengths); the connection closes.",
         408: "The request's headers or body did not arrive within the request deadline (a client that stalls or "
              "trickles).",
         413: "Body over the size limit, a text over the model's n_max tokens, or a /translate request over "
@@ -145,6 +146,7 @@ def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
         422: "Invalid request: wrong types, unknown fields, empty or invisible text, text that is not valid "
              "Unicode, non-finite numbers, a body that is not JSON or is compressed (Content-Encoding).",
         429: "The server is at capacity; `Retry-After` says when to retry.",
+        431: "The request line and headers are over the server's limit (64 KiB); the connection closes.",
         499: "The client closed the connection before the answer was ready (logged; nobody reads it).",
         500: "The model failed on this request's batch; other requests are unaffected.",
         503: "The model for this route is not configured, could not be loaded, or the server is draining.",

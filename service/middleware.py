@@ -393,6 +393,11 @@ class RequestContextMiddleware:
                                     f"{self.state.settings.request_timeout_s:g} s (LINFORMER_REQUEST_TIMEOUT_S) of "
                                     "their first byte; nothing was processed", headers, client)  # fmt: skip
 
+    def head_too_large(self, limit: int, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | None) -> bytes:
+        """The whole HTTP/1.1 answer to a request whose head grew past `limit` bytes before it was complete."""
+        return self._closing_answer(431, "headers_too_large", f"the request's line and headers are over {limit} "
+                                    "bytes; nothing was processed", headers, client)  # fmt: skip
+
     def _closing_answer(self, status: int, code: str, message: str, headers: list[tuple[bytes, bytes]],
                         client: tuple[str, int] | None) -> bytes:  # fmt: skip
         """An answer in the error shape, logged and counted, after which the server closes the connection."""

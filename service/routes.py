@@ -41,7 +41,7 @@ from service.tokenizer import Encoded, TextTooLong
 
 router = APIRouter()
 
-TASK_RESPONSES = documented(408, 413, 422, 429, 499, 500, 503, 504)
+TASK_RESPONSES = documented(400, 408, 413, 422, 429, 431, 499, 500, 503, 504)
 
 
 # ---- shared steps ----

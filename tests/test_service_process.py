@@ -1,6 +1,7 @@
 """The service as it runs in production: a uvicorn process on a loopback port, stopped with SIGTERM."""
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -548,8 +549,9 @@ def test_a_connection_that_sends_nothing_or_trickles_its_headers_is_not_held_for
     """uvicorn arms its keep-alive timeout only after an answer and resets it on every byte: a connection that
     sent nothing, or a header a byte at a time, was held for as long as the client liked (a slowloris: each is an
     open file, and at the limit new connections are closed unanswered). A silent new connection, or one sending
-    only blank lines, is closed after the keep-alive timeout (uvicorn's 5 s); headers not complete within the request timeout of their first byte
-    are answered 408 in the error shape and the connection closed; a request in one piece is unaffected."""
+    only blank lines, is closed after the keep-alive timeout (uvicorn's 5 s); headers not complete within the
+    request timeout of their first byte are answered 408 in the error shape and the connection closed; a request
+    in one piece is unaffected."""
     port = free_port()
     proc = start(["-c", _serve_script(models_dir, port, request_timeout_s=1.0, drain_s=0.0)], port)
     try:
@@ -579,6 +581,46 @@ def test_a_connection_that_sends_nothing_or_trickles_its_headers_is_not_held_for
             assert idle.recv(65536) == b""  # closed, unanswered, as an idle keep-alive connection is
         assert _status_of_answer(_post_over_socket(port, b'{"text": "the film"}')) == 200
         assert _metric(f"http://127.0.0.1:{port}", 'linformer_requests_total{route="unmatched",status="408"}') == 1
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
+
+
+def test_a_head_over_the_limit_is_answered_431_before_it_is_complete(models_dir):
+    """uvicorn keeps every header line it is sent and has no bound on their number or size: one connection
+    sending header lines made the process grow as fast as it could send. A head (request line and headers) that
+    grows past MAX_HEAD_BYTES is answered 431 in the error shape and the connection closed; a head under it,
+    split over several reads, is served."""
+    from service.__main__ import MAX_HEAD_BYTES
+
+    port = free_port()
+    proc = start(["-c", _serve_script(models_dir, port, drain_s=0.0)], port)
+    try:
+        flood = socket.create_connection(("127.0.0.1", port))
+        flood.sendall(b"POST /classify HTTP/1.1\r\nhost: test\r\n")
+        answer = b""
+        try:
+            for _ in range(4 * MAX_HEAD_BYTES // 1024):
+                flood.sendall(b"x-filler: " + b"a" * 1012 + b"\r\n")
+                time.sleep(0.001)  # each line its own read: the head never comes whole
+        except OSError:  # reset once answered and closed
+            pass
+        flood.settimeout(10)
+        with contextlib.suppress(OSError):
+            while chunk := flood.recv(65536):
+                answer += chunk
+        head, _, error = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 431 ") and b"connection: close" in head.lower(), answer[:300]
+        assert json.loads(error)["error"]["code"] == "headers_too_large"
+
+        body = b'{"text": "the film"}'
+        big_but_allowed = socket.create_connection(("127.0.0.1", port))
+        big_but_allowed.sendall(b"POST /classify HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n")
+        for _ in range(16):  # 16 KiB of headers in 16 reads
+            big_but_allowed.sendall(b"x-filler: " + b"a" * 1012 + b"\r\n")
+            time.sleep(0.005)
+        big_but_allowed.sendall(b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        assert _status_of_answer(big_but_allowed) == 200
     finally:
         code, out = stop(proc)
     assert code == 0, out

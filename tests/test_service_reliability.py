@@ -90,7 +90,7 @@ async def test_openapi_documents_every_status_a_task_route_answers(client):
     spec = (await client.get("/openapi.json")).json()
     for path in ("/classify", "/translate"):
         responses = spec["paths"][path]["post"]["responses"]
-        assert set(responses) == {"200", "408", "413", "422", "429", "499", "500", "503", "504"}
+        assert set(responses) == {"200", "400", "408", "413", "422", "429", "431", "499", "500", "503", "504"}
         for status in set(responses) - {"200"}:
             schema = responses[status]["content"]["application/json"]["schema"]
             assert schema == {"$ref": "#/components/schemas/ErrorResponse"}
