@@ -4,6 +4,7 @@ text, carrying the source's unknown pieces, web addresses and e-mail addresses o
 
 import itertools
 import re
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,10 @@ class Encoded:
 # (a text's own {n} count up to nine digits: ours come after them, and a longer one cannot be mistaken for ours;
 # unbounded, "{" + 5,000 nines + "}" was an integer Python refuses to convert, a 500)
 _PLACEHOLDER = re.compile(r"\{(\d{1,9})\}")
+# what a translator writes of a placeholder when a sentence has many (ten symbols between words: "🙂}}", "{4eat}",
+# "Grate8}"): a brace with the digits beside it. Where the source had no brace of its own, every brace in the
+# translation that is not a whole placeholder of ours is such debris, and is dropped.
+_PLACEHOLDER_DEBRIS = re.compile(r"\{?\d*\}|\{\d*")
 # ... and for what must come back exactly as written though the vocabulary can spell it: web and e-mail addresses,
 # which the translators otherwise break up or translate (0-2 of 200 help sentences kept an inserted one). A web
 # address runs from its scheme (or "www.") to the next space, quote or angle bracket, less closing punctuation. A
@@ -80,6 +85,21 @@ _VERBATIM = re.compile(
     r"|(?<![\w.+-])[\w.+-]{1,64}@[\w-]{1,63}(?:\.[\w-]{1,63})+",
     re.IGNORECASE,
 )
+
+
+def _without_debris(translation: str, placeholders: Container[str]) -> str:
+    """A translation without the placeholder debris in it: every brace, with its digits, that is not one of
+    `placeholders` whole (for a source without braces of its own), and the double space a removal leaves."""
+    dropped = []
+
+    def keep_ours(debris: re.Match) -> str:
+        if debris[0] in placeholders:
+            return debris[0]
+        dropped.append(debris[0])
+        return ""
+
+    kept = _PLACEHOLDER_DEBRIS.sub(keep_ours, translation)
+    return re.sub(" {2,}", " ", kept).strip(" ") if dropped else kept
 
 
 def _first_placeholder(text: str) -> int:
@@ -111,6 +131,7 @@ class Source:
     first: int
     gap: str
     lead: str = ""
+    braces: bool = False  # the sentence has a brace of its own (so a brace in its translation may be one)
 
 
 class Tokenizer:
@@ -178,7 +199,8 @@ class Tokenizer:
                 except TextTooLong as e:
                     what = "text {index}" if len(parts) == 1 else "a sentence of text {index}"
                     raise TextTooLong(t, e.n_tokens, e.n_max, what) from None
-                sources.append(Source(t, encoded, spans, first, gap, lead if i == 0 else ""))
+                sources.append(Source(t, encoded, spans, first, gap, lead if i == 0 else "",
+                                      braces="{" in sentence or "}" in sentence))  # fmt: skip
         return sources
 
     def translations(self, sources: list[Source], outputs: list[list[int]]) -> list[dict]:
@@ -187,8 +209,11 @@ class Tokenizer:
         texts: list[dict] = []
         for source, ids in zip(sources, outputs, strict=True):
             text = self.decode(list(ids), source.encoded.unknowns)
-            for n, span in enumerate(source.spans, source.first):
-                text = text.replace(f"{{{n}}}", span)
+            placeholders = {f"{{{n}}}": span for n, span in enumerate(source.spans, source.first)}
+            if placeholders and not source.braces:
+                text = _without_debris(text, placeholders)
+            for placeholder, span in placeholders.items():
+                text = text.replace(placeholder, span)
             if source.text == len(texts):
                 texts.append({"text": "", "tokens": 0})
             texts[-1]["text"] += source.lead + text + source.gap
@@ -197,11 +222,13 @@ class Tokenizer:
 
     def _protect(self, text: str) -> tuple[str, tuple[str, ...], int]:
         """The text with each run of characters the vocabulary cannot spell replaced by {n} (numbered after any {n}
-        the text has of its own), those runs, and the first n."""
+        the text has of its own), those runs, and the first n. Whitespace between two such characters stays in
+        the run: a line of 40 emoji with spaces between them, as 40 placeholders, came back as braces and digits
+        ("1} 🙂 🙂} 🙂}}} { { {"), where one placeholder comes back whole."""
         raw, runs = text.encode("utf-8"), []  # byte offsets, as SentencePiece gives them
         for piece in self._sp.encode(text, return_type="proto").pieces:
             if piece.id == self.unk_id and piece.end > piece.begin:  # (NFKC-made pieces have no source bytes)
-                if runs and runs[-1][1] == piece.begin:
+                if runs and not raw[runs[-1][1] : piece.begin].strip():
                     runs[-1] = (runs[-1][0], piece.end)
                 else:
                     runs.append((piece.begin, piece.end))

@@ -55,11 +55,27 @@ def test_what_the_vocabulary_cannot_spell_becomes_a_placeholder_in_the_source(to
     # runs of unknown pieces side by side are one placeholder; a known piece between them makes two
     assert tokenizer._protect("a😀🎉b") == ("a{1}b", ("😀🎉",), 1)
     assert tokenizer._protect("Contact ŁÓDŹ now") == ("Contact {1}D{2} now", ("ŁÓ", "Ź"), 1)
+    # and only whitespace between them too: a line of 40 spaced emoji as 40 placeholders came back as braces
+    assert tokenizer._protect("Rate it: 😀 😀\t😀  🎉 ok") == ("Rate it: {1} ok", ("😀 😀\t😀  🎉",), 1)
     # the text's own {n} keep their numbers: ours come after them
     assert tokenizer._protect("Use {1} or {3} for 李明.") == ("Use {1} or {3} for {4}.", ("李明",), 4)
     assert tokenizer._protect("Save the file.") == ("Save the file.", (), 0)
     protected, _, _ = tokenizer._protect("Press 😀 to continue.")
     assert tokenizer.unk_id not in tokenizer.encode_all([protected], truncate=False)[0].ids
+
+
+def test_placeholder_debris_is_dropped_from_a_translation_unless_the_source_had_braces_of_its_own(tokenizer):
+    """With many placeholders in one sentence the translators write some of them broken ("🙂}}", "{4eat}",
+    "Grate8}"): braces and digits that were never in the text. Where the sentence had no brace of its own they are
+    dropped, with the double space they leave; whole placeholders come back as what they stand for."""
+    [source] = tokenizer.translation_sources(["Click 🙂 then 🎉 then ✓."], split=True, truncate=False)
+    assert source.spans == ("🙂", "🎉", "✓") and not source.braces
+    written = tokenizer._sp.encode("Klicken Sie auf {1}} dann {2 und 3} {4eat} {3}.")
+    assert tokenizer.translations([source], [written])[0]["text"] == "Klicken Sie auf 🙂 dann und eat ✓."
+    [own] = tokenizer.translation_sources(["Use {x} then 🎉."], split=True, truncate=False)
+    assert own.braces
+    written = tokenizer._sp.encode("Nutze {x} dann {1}}.")
+    assert tokenizer.translations([own], [written])[0]["text"] == "Nutze {x} dann 🎉}."
 
 
 class Echo:
