@@ -154,10 +154,10 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
     runs on. Written against uvicorn 0.54's callbacks (`pyproject.toml` pins the minor version;
     tests/test_service_reliability.py fails if the hook stops being called). Anything unusual (a pipelined
     request, an upgrade, a query string) takes uvicorn's path, where the ASGI middleware decides instead.
-    It also bounds the time before a request is read, which uvicorn does not (a slowloris held a connection for ever
-    by sending nothing or a byte at a time): a new connection has uvicorn's keep-alive timeout to start a request,
-    and a request its deadline to finish its headers (408); and what uvicorn's parser cannot read gets the error
-    shape."""
+    It also bounds what uvicorn leaves unbounded before a request is read (a slowloris held a connection for ever by
+    sending nothing or a byte at a time; header lines were kept without limit): a new connection has uvicorn's
+    keep-alive timeout to start a request, and a request its deadline to finish its head (408) and MAX_HEAD_BYTES
+    for it (431); and what uvicorn's parser cannot read gets the error shape."""
 
     class AdmittingHttpToolsProtocol(HttpToolsProtocol):
         # the bytes of a request's head that has begun and is not complete, counted from the reads that ended
