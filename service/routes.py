@@ -37,7 +37,7 @@ from service.schemas import (
     TranslateRequest,
     TranslateResponse,
 )
-from service.tokenizer import Encoded, TextTooLong
+from service.tokenizer import Encoded, TextTooLong, TooManySentences
 
 router = APIRouter()
 
@@ -322,12 +322,11 @@ class TaskEndpoint:
             raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in errors]) from None
 
 
-def _decode_costs(model: ModelService, rows: str, encoded: list[Encoded], beam_size: int, max_new_tokens: int,
+def _decode_costs(tgt_n_max: int, rows: str, encoded: list[Encoded], beam_size: int, max_new_tokens: int,
                   limit: int) -> list[int]:  # fmt: skip
     """Decode work per row, a sentence or a text: beam_size x the tokens it may generate (max_new_tokens, capped as
-    the runtime caps it: the model's target length, twice the source + 16); 413 if the request asks too much.
-    `rows` names what the rows are ("sentences", "texts")."""
-    tgt_n_max = int(model.bundle.config.get("tgt_n_max", max_new_tokens))
+    the runtime caps it: the model's target length `tgt_n_max`, twice the source + 16); 413 if the request asks too
+    much. `rows` names what the rows are ("sentences", "texts")."""
     costs = [beam_size * new_tokens_limit(len(e.ids), max_new_tokens, tgt_n_max) for e in encoded]
     if sum(costs) > limit:
         raise ServiceError(
@@ -345,14 +344,29 @@ async def translate_answer(state: ServiceState, body: TranslateRequest, scope: S
     model = serving_model(state, "translate")
     texts = body.all_texts
     _check_text_count(texts, state.settings.max_texts_per_request)
-    # each text's sentences (with the whitespace after each, what the vocabulary lacks as placeholders), one row each
+    # each text's sentences (with the whitespace after each, what the vocabulary lacks as placeholders), one row each,
+    # no more than the decode budget can pay for at the least a row costs (as if it had no token)
+    tgt_n_max = int(model.bundle.config.get("tgt_n_max", body.max_new_tokens))
+    least_per_row = body.beam_size * new_tokens_limit(0, body.max_new_tokens, tgt_n_max)
+    limit = state.settings.max_decode_tokens_per_request
     try:
-        sources = model.tokenizer.translation_sources(texts, split=body.split_sentences, truncate=body.truncate)
+        sources = model.tokenizer.translation_sources(texts, split=body.split_sentences, truncate=body.truncate,
+                                                      max_rows=limit // least_per_row)  # fmt: skip
     except TextTooLong as e:
         raise ServiceError(413, "text_too_long", str(e)) from None
+    except TooManySentences as e:  # (counted no further than this: a row over what the budget can pay for)
+        rows = "sentences" if body.split_sentences else "texts"
+        raise ServiceError(
+            413, "budget_exceeded",
+            f"this request's {e.limit + 1} or more {rows} x beam_size {body.beam_size} may generate at least "
+            f"{(e.limit + 1) * least_per_row} decode tokens (max_new_tokens {body.max_new_tokens} each, at most the "
+            f"model's target length {tgt_n_max} and twice the source + 16), over this server's limit of {limit} per "
+            f"request (LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST); send fewer {rows}, a smaller beam or a smaller "
+            "max_new_tokens",
+        ) from None
     encoded = [source.encoded for source in sources]
-    costs = _decode_costs(model, "sentences" if body.split_sentences else "texts", encoded, body.beam_size,
-                          body.max_new_tokens, state.settings.max_decode_tokens_per_request)  # fmt: skip
+    costs = _decode_costs(tgt_n_max, "sentences" if body.split_sentences else "texts", encoded, body.beam_size,
+                          body.max_new_tokens, limit)  # fmt: skip
     # the decoding runtime is batched per (beam_size, max_new_tokens): see Batcher's `options`
     outputs = await _infer(scope, receive, state, model, "/translate", [e.ids for e in encoded],
                            options=(body.beam_size, body.max_new_tokens), cost=costs)  # fmt: skip

@@ -22,6 +22,14 @@ class TextTooLong(ValueError):
         )
 
 
+class TooManySentences(ValueError):
+    """/translate's texts hold more sentences than `limit`, the most its decode budget can pay for."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        super().__init__(f"more than {limit} sentences")
+
+
 # Between two sentences: a line break (with the blank lines and indentation around it), or the spaces after a
 # sentence's end (. ! ? …, then closing quotes or brackets) when a capital, a digit or an opening quote follows. A
 # line break's leading spaces are matched from where their run starts only: tried at every space, a long run with no
@@ -38,13 +46,16 @@ _ABBREVIATIONS = frozenset("e.g i.e etc vs cf approx fig no nos vol dr mr mrs ms
 _WORD_WINDOW = max(map(len, _ABBREVIATIONS)) + 2
 
 
-def split_sentences(text: str) -> list[tuple[str, str]]:
+def split_sentences(text: str, at_most: int | None = None) -> list[tuple[str, str]]:
     """A text as [(sentence, the whitespace after it)], in order: ''.join(s + w) is the text without its leading
     and trailing whitespace. Rule-based: sentences end at line breaks, and at . ! ? … before a capital or digit,
-    except a period after a known abbreviation or a single letter (an initial)."""
+    except a period after a known abbreviation or a single letter (an initial). With `at_most`, the split stops at
+    its first at_most + 1 sentences (the last then holds the rest): enough to tell that there are too many."""
     text = text.strip()
     parts, start = [], 0
     for match in _BOUNDARY.finditer(text):
+        if at_most is not None and len(parts) == at_most:
+            break
         gap = "line" if match.group("line") is not None else "space"
         if gap == "space" and text[match.start()] == ".":
             words = text[max(start, match.start() - _WORD_WINDOW) : match.start()].rsplit(None, 1)
@@ -177,16 +188,22 @@ class Tokenizer:
         # surface: the original characters; empty where normalisation made the piece (NFKC: ½ -> 1⁄2), then its text
         return tuple(piece.surface or piece.piece for piece in pieces if piece.id == self.unk_id)
 
-    def translation_sources(self, texts: list[str], *, split: bool, truncate: bool) -> list[Source]:
+    def translation_sources(self, texts: list[str], *, split: bool, truncate: bool,
+                            max_rows: int | None = None) -> list[Source]:  # fmt: skip
         """/translate's rows: each text's sentences (the whole text unless `split`), its web and e-mail addresses and
         each run of characters the vocabulary cannot spell replaced by a placeholder, encoded; the text's leading
-        and trailing whitespace kept for its translation. Raises TextTooLong naming the text."""
+        and trailing whitespace kept for its translation. Raises TextTooLong naming the text, and TooManySentences
+        as soon as the rows pass `max_rows`, before they are encoded (a 1 MB text of 500,000 one-letter lines was
+        5 s of the event loop, split and encoded, before its decode budget refused it)."""
         sources = []
         for t, text in enumerate(texts):
             body = text.strip()
             lead = text[: len(text) - len(text.lstrip())]
             tail = text[len(lead) + len(body) :]
-            parts = split_sentences(body) if split else [(body, "")]
+            rows_left = None if max_rows is None else max_rows - len(sources)
+            parts = split_sentences(body, rows_left) if split else [(body, "")]
+            if rows_left is not None and len(parts) > rows_left:
+                raise TooManySentences(max_rows)
             parts[-1] = (parts[-1][0], parts[-1][1] + tail)
             for i, (sentence, gap) in enumerate(parts):
                 protected, spans, first = _protect_verbatim(sentence)

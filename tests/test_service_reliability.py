@@ -9,6 +9,8 @@ import httpx
 import pytest
 from conftest import SlowRuntime, make_settings, running_service
 
+from service.errors import ServiceError
+
 pytestmark = pytest.mark.anyio
 
 JSON = {"content-type": "application/json"}
@@ -483,12 +485,46 @@ async def test_translate_over_the_decode_budget_is_413_naming_the_limit(translat
         # tiny bundle: tgt_n_max = 16, so max_new_tokens is worth at most 16 per beam
         r = await client.post("/translate", json={"texts": ["the film", "bad"], "beam_size": 4, "max_new_tokens": 9})
         error = assert_error_shape(r, 413, "budget_exceeded")
-        assert "2 sentences x beam_size 4 may generate 72 decode tokens (max_new_tokens 9 each" in error["message"]
+        assert "2 or more sentences x beam_size 4 may generate at least 72 decode tokens (max_new_tokens 9 each" in (
+            error["message"])
         assert "limit of 64" in error["message"] and "LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST" in error["message"]
         ok = await client.post("/translate", json={"texts": ["the film", "bad"], "beam_size": 2, "max_new_tokens": 16})
         assert ok.status_code == 200  # 2 x 2 x 16 = 64: at the limit is fine
         capped = await client.post("/translate", json={"text": "the film", "beam_size": 4, "max_new_tokens": 4096})
         assert capped.status_code == 200  # 4096 is capped at the model's 16 target tokens: 4 x 16 = 64
+
+
+async def test_more_sentences_than_the_decode_budget_pays_for_are_refused_before_any_is_encoded(
+        translate_models_dir, monkeypatch):  # fmt: skip
+    """The budget was checked once every sentence was encoded: a 1 MB text of 500,000 one-letter lines took 5 s of
+    the event loop (the whole server stalled) to be refused. Now the split stops at the first row over what the
+    budget can pay for at the least a row costs, and nothing is encoded."""
+    from service.tokenizer import Tokenizer, split_sentences
+
+    encoded = []
+    monkeypatch.setattr(Tokenizer, "encode_all", lambda self, texts, truncate: encoded.append(texts) or [])
+    settings = make_settings(translate_models_dir, classify_model="", max_decode_tokens_per_request=64)
+    async with running_service(settings) as client:
+        r = await client.post("/translate", json={"text": "a\n" * 10_000, "max_new_tokens": 16})
+    error = assert_error_shape(r, 413, "budget_exceeded")
+    assert "5 or more sentences x beam_size 1 may generate at least 80 decode tokens" in error["message"]
+    assert encoded == []
+    assert len(split_sentences("a\n" * 10_000, at_most=4)) == 5  # the split itself stops there
+
+
+def test_the_decode_budget_counts_what_each_sentence_may_generate():
+    """Where a row may generate more than the least (a model whose target length is over twice a short source +
+    16), the budget is checked on every row's own cost, once encoded."""
+    from service.routes import _decode_costs
+    from service.tokenizer import Encoded
+
+    rows = [Encoded(list(range(20)), False), Encoded(list(range(3)), False)]
+    # 2 x min(100, 2 x 20 + 16), 2 x (2 x 3 + 16)
+    assert _decode_costs(256, "sentences", rows, 2, 100, 200) == [112, 44]
+    with pytest.raises(ServiceError) as refused:
+        _decode_costs(256, "sentences", rows, 2, 100, 155)
+    assert refused.value.status == 413 and "2 sentences x beam_size 2 may generate 156 decode tokens" in (
+        refused.value.message)
 
 
 async def test_translate_queue_is_bounded_by_decode_tokens_not_requests(translate_models_dir):
