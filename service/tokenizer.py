@@ -166,8 +166,9 @@ class Tokenizer:
             n_max=bundle.n_max,
         )
 
-    def encode_all(self, texts: list[str], *, truncate: bool) -> list[Encoded]:
-        """Raises TextTooLong for the first text over n_max unless truncate, which cuts the body."""
+    def encode_all(self, texts: list[str], *, truncate: bool, unknowns: bool = True) -> list[Encoded]:
+        """Raises TextTooLong for the first text over n_max unless truncate, which cuts the body. `unknowns`: also
+        the text behind each unknown piece (a second encode, what /translate carries over; /classify needs none)."""
         n_special = int(self.add_bos) + int(self.add_eos)
         encoded = []
         # one call per text: a list call starts SentencePiece's thread pool, ~40x slower for one short text
@@ -178,8 +179,8 @@ class Tokenizer:
                     raise TextTooLong(index, len(body) + n_special, self.n_max)
                 body = body[: self.n_max - n_special]
             ids = [self.bos_id] * self.add_bos + body + [self.eos_id] * self.add_eos
-            unknowns = self._unknowns(texts[index], len(body)) if self.unk_id in body else ()
-            encoded.append(Encoded(ids, truncated, unknowns))
+            behind = self._unknowns(texts[index], len(body)) if unknowns and self.unk_id in body else ()
+            encoded.append(Encoded(ids, truncated, behind))
         return encoded
 
     def _unknowns(self, text: str, n_pieces: int) -> tuple[str, ...]:
@@ -208,8 +209,8 @@ class Tokenizer:
             for i, (sentence, gap) in enumerate(parts):
                 protected, spans, first = _protect_verbatim(sentence)
                 try:
-                    [encoded] = self.encode_all([protected], truncate=truncate)
-                    if encoded.unknowns:  # placeholders for what the vocabulary cannot spell, then encoded again
+                    [encoded] = self.encode_all([protected], truncate=truncate, unknowns=False)
+                    if self.unk_id in encoded.ids:  # placeholders for what the vocabulary cannot spell, encoded again
                         protected, unknown_spans, after = self._protect(protected)
                         spans, first = spans + unknown_spans, first if spans else after
                         [encoded] = self.encode_all([protected], truncate=truncate)
