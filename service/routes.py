@@ -322,6 +322,19 @@ class TaskEndpoint:
             raise RequestValidationError([{**error, "loc": ("body", *error["loc"])} for error in errors]) from None
 
 
+def _over_budget(rows: str, tokens: str, beam_size: int, max_new_tokens: int, tgt_n_max: int, limit: int,
+                 fewer: str) -> ServiceError:  # fmt: skip
+    """413 for a /translate request whose `rows` ("2 sentences") x beam_size may generate `tokens` ("72") decode
+    tokens, over `limit`; `fewer` names what to send fewer of."""
+    return ServiceError(
+        413, "budget_exceeded",
+        f"this request's {rows} x beam_size {beam_size} may generate {tokens} decode tokens (max_new_tokens "
+        f"{max_new_tokens} each, at most the model's target length {tgt_n_max} and twice the source + 16), over this "
+        f"server's limit of {limit} per request (LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST); send fewer {fewer}, a "
+        "smaller beam or a smaller max_new_tokens",
+    )
+
+
 def _decode_costs(tgt_n_max: int, rows: str, encoded: list[Encoded], beam_size: int, max_new_tokens: int,
                   limit: int) -> list[int]:  # fmt: skip
     """Decode work per row, a sentence or a text: beam_size x the tokens it may generate (max_new_tokens, capped as
@@ -329,13 +342,8 @@ def _decode_costs(tgt_n_max: int, rows: str, encoded: list[Encoded], beam_size: 
     much. `rows` names what the rows are ("sentences", "texts")."""
     costs = [beam_size * new_tokens_limit(len(e.ids), max_new_tokens, tgt_n_max) for e in encoded]
     if sum(costs) > limit:
-        raise ServiceError(
-            413, "budget_exceeded",
-            f"this request's {len(costs)} {rows} x beam_size {beam_size} may generate {sum(costs)} decode tokens "
-            f"(max_new_tokens {max_new_tokens} each, at most the model's target length {tgt_n_max} and twice the "
-            f"source + 16), over this server's limit of {limit} per request "
-            "(LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST); send fewer texts, a smaller beam or a smaller max_new_tokens",
-        )
+        raise _over_budget(f"{len(costs)} {rows}", str(sum(costs)), beam_size, max_new_tokens, tgt_n_max, limit,
+                           fewer="texts")  # fmt: skip
     return costs
 
 
@@ -349,24 +357,17 @@ async def translate_answer(state: ServiceState, body: TranslateRequest, scope: S
     tgt_n_max = int(model.bundle.config.get("tgt_n_max", body.max_new_tokens))
     least_per_row = body.beam_size * new_tokens_limit(0, body.max_new_tokens, tgt_n_max)
     limit = state.settings.max_decode_tokens_per_request
+    rows = "sentences" if body.split_sentences else "texts"
     try:
         sources = model.tokenizer.translation_sources(texts, split=body.split_sentences, truncate=body.truncate,
                                                       max_rows=limit // least_per_row)  # fmt: skip
     except TextTooLong as e:
         raise ServiceError(413, "text_too_long", str(e)) from None
     except TooManySentences as e:  # (counted no further than this: a row over what the budget can pay for)
-        rows = "sentences" if body.split_sentences else "texts"
-        raise ServiceError(
-            413, "budget_exceeded",
-            f"this request's {e.limit + 1} or more {rows} x beam_size {body.beam_size} may generate at least "
-            f"{(e.limit + 1) * least_per_row} decode tokens (max_new_tokens {body.max_new_tokens} each, at most the "
-            f"model's target length {tgt_n_max} and twice the source + 16), over this server's limit of {limit} per "
-            f"request (LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST); send fewer {rows}, a smaller beam or a smaller "
-            "max_new_tokens",
-        ) from None
+        raise _over_budget(f"{e.limit + 1} or more {rows}", f"at least {(e.limit + 1) * least_per_row}",
+                           body.beam_size, body.max_new_tokens, tgt_n_max, limit, fewer=rows) from None  # fmt: skip
     encoded = [source.encoded for source in sources]
-    costs = _decode_costs(tgt_n_max, "sentences" if body.split_sentences else "texts", encoded, body.beam_size,
-                          body.max_new_tokens, limit)  # fmt: skip
+    costs = _decode_costs(tgt_n_max, rows, encoded, body.beam_size, body.max_new_tokens, limit)
     # the decoding runtime is batched per (beam_size, max_new_tokens): see Batcher's `options`
     outputs = await _infer(scope, receive, state, model, "/translate", [e.ids for e in encoded],
                            options=(body.beam_size, body.max_new_tokens), cost=costs)  # fmt: skip
