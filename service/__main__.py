@@ -33,7 +33,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from service.app import ServiceApp, create_app
 from service.bundle import BundleError
 from service.config import Settings, settings_errors, unknown_variables
-from service.middleware import ADMISSION_SCOPE_KEY, Admission, RequestContextMiddleware
+from service.middleware import ADMISSION_SCOPE_KEY, MAX_HEAD_BYTES, Admission, RequestContextMiddleware
 
 log = logging.getLogger("service")
 
@@ -43,10 +43,6 @@ log = logging.getLogger("service")
 # lost requests that way (a read error, where a refused connection would have told them that nothing was sent;
 # `benchmarks/drain.py --one-replica`, benchmarks/results/reliability-session16/).
 LAST_CALL_S = 0.5
-
-# The most a request's head (request line and headers) may take: uvicorn has no bound and keeps every header line
-# (nginx refuses beyond 32 KiB by default, Node.js 16 KiB; a JSON API's head is well under 1 KiB).
-MAX_HEAD_BYTES = 64 * 1024
 
 # Files the process opens besides its connections: models, logs, the event loop's and the compute threads' own.
 OTHER_FILES = 64
@@ -192,7 +188,7 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
                 # request's deadline, TaskEndpoint, and by LINFORMER_MAX_BODY_BYTES)
                 self.head_bytes += len(data)
                 if self.head_bytes > MAX_HEAD_BYTES:
-                    self._end_head(lambda context: context.head_too_large(MAX_HEAD_BYTES, self.headers, self.client))
+                    self._end_head(lambda context: context.head_too_large(self.headers, self.client))
                 elif self.head_timer is None:
                     self.head_timer = self.loop.call_later(app.state.service.settings.request_timeout_s,
                                                            self._head_timed_out)  # fmt: skip

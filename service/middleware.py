@@ -33,6 +33,10 @@ _TASK_TARGETS = {path.encode(): path for path in TASK_PATHS}  # the request line
 ADMISSION_SCOPE_KEY = "linformer.admission"
 _REQUEST_ID_SLOT = "@request-id@"  # where a refusal's template takes the request id (JSON-safe, like every id)
 
+# The most a request's head (request line and headers) may take: uvicorn has no bound and keeps every header line
+# (nginx refuses beyond 32 KiB by default, Node.js 16 KiB; a JSON API's head is well under 1 KiB).
+MAX_HEAD_BYTES = 64 * 1024
+
 # The flood test (RouteAdmission). A window is flooded when requests arrived at more than FLOOD_RATIO times the rate
 # they completed while the route was full (an arrival found no free slot). A stall of the core floods one window at
 # most: the requests that piled up during it are read at once when the server runs again, and in the next window the
@@ -393,10 +397,10 @@ class RequestContextMiddleware:
                                     f"{self.state.settings.request_timeout_s:g} s (LINFORMER_REQUEST_TIMEOUT_S) of "
                                     "their first byte; nothing was processed", headers, client)  # fmt: skip
 
-    def head_too_large(self, limit: int, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | None) -> bytes:
-        """The whole HTTP/1.1 answer to a request whose head grew past `limit` bytes before it was complete."""
-        return self._closing_answer(431, "headers_too_large", f"the request's line and headers are over {limit} "
-                                    "bytes; nothing was processed", headers, client)  # fmt: skip
+    def head_too_large(self, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | None) -> bytes:
+        """The whole HTTP/1.1 answer to a request whose head grew past MAX_HEAD_BYTES before it was complete."""
+        return self._closing_answer(431, "headers_too_large", f"the request's line and headers are over "
+                                    f"{MAX_HEAD_BYTES} bytes; nothing was processed", headers, client)  # fmt: skip
 
     def _closing_answer(self, status: int, code: str, message: str, headers: list[tuple[bytes, bytes]],
                         client: tuple[str, int] | None) -> bytes:  # fmt: skip

@@ -591,7 +591,7 @@ def test_a_head_over_the_limit_is_answered_431_before_it_is_complete(models_dir)
     sending header lines made the process grow as fast as it could send. A head (request line and headers) that
     grows past MAX_HEAD_BYTES is answered 431 in the error shape and the connection closed; a head under it,
     split over several reads, is served."""
-    from service.__main__ import MAX_HEAD_BYTES
+    from service.middleware import MAX_HEAD_BYTES
 
     port = free_port()
     proc = start(["-c", _serve_script(models_dir, port, drain_s=0.0)], port)
