@@ -458,6 +458,23 @@ def _status_of_answer(conn: socket.socket, timeout_s: float = 10) -> int:
     return int(head.split(b" ", 2)[1])
 
 
+def _answer_until_closed(conn: socket.socket, timeout_s: float = 10) -> bytes:
+    """All the server sends before it closes the connection (a reset after the answer ends it too)."""
+    conn.settimeout(timeout_s)
+    answer = b""
+    with contextlib.suppress(OSError):
+        while chunk := conn.recv(65536):
+            answer += chunk
+    return answer
+
+
+def _assert_closing_error(answer: bytes, status: int, code: str) -> None:
+    """`answer` is an error of `status` in the service's shape, with `code`, that closes its connection."""
+    head, _, error = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status) and b"connection: close" in head.lower(), answer[:300]
+    assert json.loads(error)["error"]["code"] == code
+
+
 def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
     """Poll `condition` (the server notices a closed connection on its own time, later under CI load)."""
     deadline = time.monotonic() + timeout_s
@@ -532,13 +549,8 @@ def test_a_body_that_does_not_arrive_by_the_deadline_is_answered_408_and_frees_i
         staller = _post_over_socket(port, body, with_body=False)  # admitted, then nothing: its one slot is taken
         time.sleep(1.5)
         waiting = _post_over_socket(port, body)  # waits for the slot, its own deadline 2 s from now
-        staller.settimeout(10)
-        answer = b""
-        while chunk := staller.recv(65536):  # answered, then closed (the unread body leaves it unusable)
-            answer += chunk
-        head, _, error = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), answer
-        assert json.loads(error)["error"]["code"] == "request_timeout"
+        # answered, then closed (the unread body leaves it unusable)
+        _assert_closing_error(_answer_until_closed(staller), 408, "request_timeout")
         assert _status_of_answer(waiting) == 200  # the slot went on to it in time
     finally:
         code, out = stop(proc)
@@ -572,9 +584,7 @@ def test_a_connection_that_sends_nothing_or_trickles_its_headers_is_not_held_for
                 continue
             except OSError:  # reset once closed
                 break
-        head, _, error = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), answer
-        assert json.loads(error)["error"]["code"] == "request_timeout"
+        _assert_closing_error(answer, 408, "request_timeout")
         assert time.monotonic() - started < 5
         for idle in (silent, blank_lines):
             idle.settimeout(15)
@@ -598,20 +608,13 @@ def test_a_head_over_the_limit_is_answered_431_before_it_is_complete(models_dir)
     try:
         flood = socket.create_connection(("127.0.0.1", port))
         flood.sendall(b"POST /classify HTTP/1.1\r\nhost: test\r\n")
-        answer = b""
         try:
             for _ in range(4 * MAX_HEAD_BYTES // 1024):
                 flood.sendall(b"x-filler: " + b"a" * 1012 + b"\r\n")
                 time.sleep(0.001)  # each line its own read: the head never comes whole
         except OSError:  # reset once answered and closed
             pass
-        flood.settimeout(10)
-        with contextlib.suppress(OSError):
-            while chunk := flood.recv(65536):
-                answer += chunk
-        head, _, error = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 431 ") and b"connection: close" in head.lower(), answer[:300]
-        assert json.loads(error)["error"]["code"] == "headers_too_large"
+        _assert_closing_error(_answer_until_closed(flood), 431, "headers_too_large")
 
         body = b'{"text": "the film"}'
         big_but_allowed = socket.create_connection(("127.0.0.1", port))
