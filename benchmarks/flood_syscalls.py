@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import re
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.loadgen import REVIEW, classify_server_on_core_0, open_loop, post_request  # noqa: E402
+from benchmarks.loadgen import bundle_task, one_text_request, open_loop, server_on_core_0  # noqa: E402
 from loadtest.report import header, load_average, markdown_table, write_csv  # noqa: E402
 
 
@@ -78,7 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     load_before = load_average()
     args.out.mkdir(parents=True, exist_ok=True)
-    server = classify_server_on_core_0(args.bundle, [], tree=args.tree.resolve())
+    server = server_on_core_0(args.bundle, [], tree=args.tree.resolve())
     pid, port = server.proc.pid, server.port
     traced: dict = {}
 
@@ -97,7 +96,7 @@ def main() -> None:
 
     counter = threading.Thread(target=count_during_the_flood)
     try:
-        request = post_request("/classify", json.dumps({"text": REVIEW}).encode())
+        request = one_text_request(bundle_task(args.bundle, args.tree.resolve()))
         counter.start()
         records = asyncio.run(open_loop(port, request, [(args.seconds, args.rate)]))
         counter.join()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
 import socket
 import subprocess
@@ -26,6 +27,8 @@ from service.__main__ import raise_open_files_limit  # noqa: E402
 
 REVIEW = ("The film was a moving story with great music and a brilliant ending, but the plot felt long in "
           "the middle and the actors were not always convincing. Still, I would watch it again with friends.")
+# what a /translate request sends in these benchmarks: one sentence of the kind the translators were trained on
+SENTENCE = "Click the Save button to store your changes in the current document."
 
 
 @dataclass
@@ -127,10 +130,21 @@ def main_thread_cpu_s(pid: int) -> float:
     return _cpu_s(Path(f"/proc/{pid}/task/{pid}/stat"))
 
 
-def classify_server_on_core_0(bundle: str, settings: list[str], tree: Path = REPO) -> Server:
-    """The measured set-up of overload and soak: one classify bundle, 1 ORT thread, the server on core 0 and
-    this process (the load) on core 1; `settings` are extra `LINFORMER_X=value` strings."""
-    env = {"LINFORMER_CLASSIFY_MODEL": bundle, "LINFORMER_TRANSLATE_MODEL": "",
+def bundle_task(bundle: str, tree: Path = REPO) -> str:
+    """"classify" or "translate": the task of the bundle models/<bundle> in `tree`."""
+    return json.loads((tree / "models" / bundle / "config.json").read_text())["task"]
+
+
+def one_text_request(task: str) -> bytes:
+    """The request these benchmarks send to a task's route: REVIEW to /classify, SENTENCE to /translate."""
+    return post_request(f"/{task}", json.dumps({"text": REVIEW if task == "classify" else SENTENCE}).encode())
+
+
+def server_on_core_0(bundle: str, settings: list[str], tree: Path = REPO) -> Server:
+    """The measured set-up of overload and soak: one bundle (its task's only model), 1 ORT thread, the server on
+    core 0 and this process (the load) on core 1; `settings` are extra `LINFORMER_X=value` strings."""
+    task = bundle_task(bundle, tree)
+    env = {"LINFORMER_CLASSIFY_MODEL": "", "LINFORMER_TRANSLATE_MODEL": "", f"LINFORMER_{task.upper()}_MODEL": bundle,
            "LINFORMER_ORT_INTRA_OP_THREADS": "1", "LINFORMER_ORT_INTER_OP_THREADS": "1",
            "LINFORMER_LOG_LEVEL": "warning", **dict(s.split("=", 1) for s in settings)}  # fmt: skip
     server = Server(free_port(), env, cores="0", tree=tree)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,14 +31,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.loadgen import (  # noqa: E402
-    REVIEW,
     Record,
     Server,
-    classify_server_on_core_0,
+    bundle_task,
     closed_loop,
+    one_text_request,
     open_loop,
     percentile,
-    post_request,
+    server_on_core_0,
 )  # fmt: skip
 from loadtest.report import (  # noqa: E402
     agg_subplots,
@@ -52,6 +51,8 @@ from loadtest.report import (  # noqa: E402
 )
 
 WINDOW_S = 0.25
+WHAT_IS_SENT = {"classify": "one ~50-token review (`loadgen.REVIEW`) to /classify",
+                "translate": "one 14-token sentence (`loadgen.SENTENCE`) to /translate, greedy"}
 CALM_PHASE_S = 10.0  # after each flood, half the saturated rate: does the service recover?
 
 
@@ -195,9 +196,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
     load_before = load_average()
-    server = classify_server_on_core_0(args.bundle, args.setting)
+    task = bundle_task(args.bundle)
+    server = server_on_core_0(args.bundle, args.setting)
     port = server.port
-    request = post_request("/classify", json.dumps({"text": REVIEW}).encode())
+    request = one_text_request(task)
     concurrencies = [int(clients) for clients in args.concurrencies.split(",")]
     floods: list[tuple[list[Record], dict]] = []
     try:
@@ -241,7 +243,7 @@ def main() -> None:
     lines += [
         "Server: `python -m service` pinned to core 0 (`taskset -c 0`), 1 ORT thread, settings at their defaults "
         f"except {', '.join(f'`{k}={v}`' for k, v in server.env.items())}. Load generator: this script's raw asyncio "
-        "HTTP/1.1 client pinned to core 1, one ~50-token review per request. The machine is shared with other "
+        f"HTTP/1.1 client pinned to core 1, {WHAT_IS_SENT[task]} per request. The machine is shared with other "
         "jobs (load average above), so absolute rates move from run to run; the ratios compare figures from "
         "this one run.",
         "",

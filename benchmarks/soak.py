@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,15 +23,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.loadgen import (  # noqa: E402
-    REVIEW,
-    classify_server_on_core_0,
+    bundle_task,
     closed_loop,
+    one_text_request,
     open_loop,
     peak_outstanding,
     percentile,
-    post_request,
+    server_on_core_0,
 )  # fmt: skip
-from benchmarks.overload import saturation_run  # noqa: E402
+from benchmarks.overload import WHAT_IS_SENT, saturation_run  # noqa: E402
 from loadtest.report import (  # noqa: E402
     agg_subplots,
     header,
@@ -63,9 +62,10 @@ def main() -> None:
     if args.minutes * 60 <= 2 * WARM_UP_S:
         parser.error(f"--minutes must leave time after the {WARM_UP_S:g}-s warm-up to measure RSS growth over")
     load_before = load_average()
-    server = classify_server_on_core_0(args.bundle, args.setting)
+    server = server_on_core_0(args.bundle, args.setting)
     port = server.port
-    request = post_request("/classify", json.dumps({"text": REVIEW}).encode())
+    task = bundle_task(args.bundle)
+    request = one_text_request(task)
     seconds = args.minutes * 60
     rss: list[tuple[float, float]] = []
     loads: list[tuple[float, float]] = []
@@ -134,7 +134,7 @@ def main() -> None:
     lines += [
         "Server: `python -m service` pinned to core 0, 1 ORT thread, default settings except "
         f"{', '.join(f'`{k}={v}`' for k, v in server.env.items())}. Load generator: raw asyncio "
-        "HTTP/1.1 client on core 1, open loop, one ~50-token review per request. The machine is shared with "
+        f"HTTP/1.1 client on core 1, open loop, {WHAT_IS_SENT[task]} per request. The machine is shared with "
         "other jobs; the 1-minute load average is in the CSV for every 5-s window.",
         "",
         *markdown_table(saturation, {"clients": "closed-loop clients", "throughput_rps": "200/s"}),
