@@ -31,6 +31,7 @@ cut-in's rows may differ (they are all short), and its runtime gets a list of op
 
 import asyncio
 import bisect
+import itertools
 import logging
 import math
 import queue
@@ -57,6 +58,10 @@ class QueueFull(Exception):
     def __init__(self, retry_after_s: int):
         self.retry_after_s = retry_after_s
         super().__init__("the server is at capacity; retry later")
+
+
+class Shed(QueueFull):
+    """Queued when its route began shedding a flood, behind the requests the queue keeps (`Batcher.shed`)."""
 
 
 class DeadlineExceeded(Exception):
@@ -144,6 +149,7 @@ class _Item:
     future: asyncio.Future
     enqueued_at: float  # time.monotonic()
     deadline: float  # time.monotonic()
+    request: int  # the submit it came with: a request's texts are kept or shed together
     cost: int = 1  # what it counts for against max_queue
     length: int = field(init=False)
 
@@ -201,6 +207,7 @@ class Batcher:
         self.max_queue = max_queue
         self.metrics = metrics
         self._queue: list[_Item] = []  # arrival order
+        self._requests = itertools.count()  # numbers each submit's items
         self._wakeup = asyncio.Event()
         self._closing = False
         self._worker: asyncio.Task | None = None
@@ -256,7 +263,8 @@ class Batcher:
                 raise QueueFull(self._retry_after_s())
         loop = asyncio.get_running_loop()
         now = time.monotonic()
-        items = [_Item(ids, options, loop.create_future(), now, now + timeout_s, c)
+        request = next(self._requests)
+        items = [_Item(ids, options, loop.create_future(), now, now + timeout_s, request, c)
                  for ids, c in zip(token_ids, costs, strict=True)]  # fmt: skip
         self._queue.extend(items)
         self._queued_cost += added_cost
@@ -278,6 +286,30 @@ class Batcher:
                     future.cancel()
                 elif not future.cancelled():
                     future.exception()
+
+    def shed(self, keep_requests: int) -> int:
+        """A flood began: its route sheds (service/middleware.py) and admits only a few requests from now on. The
+        queued requests beyond the `keep_requests` oldest are refused now (Shed, a 429) instead of being served after
+        the backlog of the flood's first moments, in which the route had let in its whole burst limit; the ones kept,
+        and those admitted next, keep the model busy. Returns how many requests were refused."""
+        self._drop_finished()
+        kept: set[int] = set()
+        live, refused = [], []
+        for item in self._queue:
+            if item.request in kept or len(kept) < keep_requests:
+                kept.add(item.request)
+                live.append(item)
+            else:
+                refused.append(item)
+        if not refused:
+            return 0
+        self._queue = live
+        self._set_depth()
+        retry_after_s = self._retry_after_s()
+        errors: dict[int, Shed] = {}  # one per request: an exception raised in several tasks would collect their frames
+        for item in refused:
+            item.future.set_exception(errors.setdefault(item.request, Shed(retry_after_s)))
+        return len(errors)
 
     def _retry_after_s(self) -> int:
         if self._cost_per_s <= 0:

@@ -69,9 +69,10 @@ class Settings(BaseSettings):
     # So a request over the burst limit waits for a slot (up to `max_waiting_requests` of them, each at most
     # `request_timeout_s`, then 504; one whose client leaves gives up its place at once) instead of being
     # refused, and only while the route is flooded (requests arrive at over twice the rate they complete, two 0.1-s
-    # windows in a row, service/middleware.py) are the waiting requests refused and `shed_concurrent_requests`
-    # admitted, about what keeps one core's model busy, so accepted requests keep their unloaded latency
-    # (benchmarks/results/overload-*.md, soak-*.md).
+    # windows with no calm one between, service/middleware.py) are the waiting requests refused and `shed_concurrent_requests`
+    # admitted, about what keeps one core's model busy, so accepted requests keep their unloaded latency; the
+    # model's queue then keeps that many of the requests it holds and refuses the rest (what the burst let in before
+    # the flood was recognised) (benchmarks/results/overload-*.md, soak-*.md).
     max_concurrent_requests: int = Field(128, ge=1)
     max_waiting_requests: int = Field(1024, ge=0)
     shed_concurrent_requests: int = Field(16, ge=1)

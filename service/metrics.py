@@ -50,7 +50,8 @@ class Metrics:
         )
         self.rejected = Counter(
             "linformer_rejected_requests",
-            "Requests refused with 429: reason concurrency (admission, before the body is read) or queue_full",
+            "Requests refused with 429: reason concurrency (admission, before the body is read), queue_full, or shed "
+            "(queued when its route began shedding a flood, behind the requests kept)",
             ["route", "reason"], registry=r,
         )
         self.left_waiting = Counter(

@@ -6,6 +6,7 @@ the process keeps its CPU for the requests it accepted.
 """
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
@@ -38,13 +39,19 @@ _REQUEST_ID_SLOT = "@request-id@"  # where a refusal's template takes the reques
 MAX_HEAD_BYTES = 64 * 1024
 
 # The flood test (RouteAdmission). A window is flooded when requests arrived at more than FLOOD_RATIO times the rate
-# they completed while the route was full (an arrival found no free slot). A stall of the core floods one window at
-# most: the requests that piled up during it are read at once when the server runs again, and in the next window the
-# usual arrivals meet a model working off a backlog at full speed (at 70 % load: 0.7 arrivals per completion). A flood
-# floods every window, so FLOOD_WINDOWS flooded windows in a row start shedding, and it ends once SHED_CALM_S pass
-# without a flooded window.
+# they completed while the route was full (an arrival found no free slot), and calm when they arrived no faster than
+# CALM_RATIO times that rate (or the route was never full). A stall of the core floods one window at most: the
+# requests that piled up during it are read at once when the server runs again, and in the next window the usual
+# arrivals meet a model working off a backlog at full speed (at 70 % load: 0.7 arrivals per completion, calm). A flood
+# floods every window, so FLOOD_WINDOWS flooded windows with no calm one between start shedding, and it ends once
+# SHED_CALM_S pass without a window that is not calm. Windows in between neither break a run of flooded ones nor keep
+# a route shedding from being let off: completions come in batches (a /translate batch answers 16-32 requests at
+# once), and in a 3x flood on /translate enough windows came out just under FLOOD_RATIO that, with a single such
+# window breaking the run or ending shedding after SHED_CALM_S, shedding started late or stopped in mid-flood, the
+# burst and the waiting room were let in, and accepted requests waited up to 1.5 s.
 FLOOD_WINDOW_S = 0.1
 FLOOD_RATIO = 2.0
+CALM_RATIO = 1.0
 FLOOD_WINDOWS = 2
 SHED_CALM_S = 0.25
 
@@ -65,16 +72,21 @@ class RouteAdmission:
     and they should wait, not be refused. Only when the route is full and its waiting room too is a request refused.
     While the route is flooded (the flood test above) it sheds: the waiting requests are refused and only
     `shed_limit` are in progress, about what keeps one core's model busy, so the requests it accepts keep their
-    unloaded latency. Waiting requests are not given free slots while the current window so far looks flooded, nor
+    unloaded latency. When shedding begins, `on_shed(shed_limit)` is called: the middleware has the model's queue
+    refuse what it holds beyond the `shed_limit` oldest requests (Batcher.shed), the rest of the burst let in while
+    the flood was not yet recognised, which would otherwise be served late (a /translate flood's p99 was set by
+    them). Waiting requests are not given free slots while the current window so far looks flooded, nor
     after a flooded window until the next shows otherwise, so that a flood's first requests are refused once it is
     recognised rather than served late.
     `clock` is time.monotonic; tests pass their own.
     """
 
     def __init__(self, burst_limit: int, shed_limit: int, max_waiting: int,
-                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic,
+                 on_shed: Callable[[int], object] | None = None):  # fmt: skip
         self.burst_limit, self.shed_limit, self.max_waiting = burst_limit, min(shed_limit, burst_limit), max_waiting
         self.clock = clock
+        self.on_shed = on_shed
         self.in_flight = 0
         self.shedding = False
         self.waiting: deque[asyncio.Future[Admission]] = deque()  # ADMIT (in_flight counts it), REFUSE or EXPIRED
@@ -140,9 +152,11 @@ class RouteAdmission:
             flooded = self._looks_flooded()
             if now >= self._window_end + FLOOD_WINDOW_S:  # nothing happened for a window or more: not a flood
                 self._flooded_windows = 0
-            else:
-                self._flooded_windows = self._flooded_windows + 1 if flooded else 0
-            if self._flooded_windows:
+            elif flooded:
+                self._flooded_windows += 1
+            elif self._looks_calm():
+                self._flooded_windows = 0
+            if flooded:
                 self._last_flooded_end = self._window_end
             if self._flooded_windows >= FLOOD_WINDOWS and not self.shedding:
                 self.shedding = True
@@ -150,6 +164,8 @@ class RouteAdmission:
                     slot = self.waiting.popleft()
                     if not slot.done():
                         slot.set_result(Admission.REFUSE)
+                if self.on_shed is not None:  # the queue sheds too: admitted requests beyond the shed limit
+                    self.on_shed(self.shed_limit)
             elif self.shedding and now - self._last_flooded_end >= SHED_CALM_S:
                 self.shedding = False
             self._arrivals = self._completions = 0
@@ -171,21 +187,28 @@ class RouteAdmission:
         self._roll()
 
     def _looks_flooded(self) -> bool:
-        """This window so far passes the flood test."""
+        """This window so far passes the flood test; while the route sheds, it is any window not calm."""
+        if self.shedding:
+            return not self._looks_calm()
+        return self._full_and_arriving_faster_than(FLOOD_RATIO)
+
+    def _looks_calm(self) -> bool:
+        return not self._full_and_arriving_faster_than(CALM_RATIO)
+
+    def _full_and_arriving_faster_than(self, ratio: float) -> bool:
         arrivals = self._arrivals
-        return self._found_full and arrivals > self.shed_limit and arrivals > FLOOD_RATIO * self._completions
+        return self._found_full and arrivals > self.shed_limit and arrivals > ratio * self._completions
 
     def _holds_waiting(self) -> bool:
         """Waiting requests are held back while this window looks flooded (a stall's pile is read within one window,
-        after which arrivals fall below completions again), and after a flooded window until this one shows
-        otherwise: `shed_limit` completions, and arrivals at most FLOOD_RATIO times as many (unless nothing is in
-        progress that could complete). Released at the window's turn instead, a flood's waiting requests were
-        served after 0.1-0.2 s in the room and behind the burst, which set the flood's p99 in some runs."""
+        after which arrivals fall below completions again), and after a flooded window until this one shows it calm
+        with `shed_limit` completions (unless nothing is in progress that could complete). Released at the window's
+        turn instead, a flood's waiting requests were served after 0.1-0.2 s in the room and behind the burst, which
+        set the flood's p99 in some runs."""
         if self._looks_flooded():
             return True
-        completions = self._completions
         return bool(self._flooded_windows) and self.in_flight > 0 and (
-            completions < self.shed_limit or self._arrivals > FLOOD_RATIO * completions)
+            self._completions < self.shed_limit or not self._looks_calm())
 
 
 def _valid_request_id(given: bytes) -> bool:  # echoed only if harmless in a header and a log
@@ -211,7 +234,7 @@ class RequestContextMiddleware:
         self.request_timeout_s = settings.request_timeout_s  # each request's deadline, from its arrival
         self.admission = {
             task: RouteAdmission(settings.max_concurrent_requests, settings.shed_concurrent_requests,
-                                 settings.max_waiting_requests)
+                                 settings.max_waiting_requests, on_shed=functools.partial(self._shed_queue, task))
             for task in TASK_PATHS
         }  # fmt: skip
         # the 429's body for each route, full or shedding, split where the request id goes: formatted once, not per
@@ -413,6 +436,14 @@ class RequestContextMiddleware:
         return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nx-request-id: %s\r\n"
                 b"connection: close\r\n\r\n%s" % (status, HTTPStatus(status).phrase.encode(), len(body),
                                                     request_id.encode(), body))  # fmt: skip
+
+    def _shed_queue(self, task: str, keep_requests: int) -> None:
+        """The route began shedding: its model's queue keeps its `keep_requests` oldest requests and refuses the rest
+        (Batcher.shed), which the burst limit had let in during the flood's first windows."""
+        model = self.state.models.get(task.removeprefix("/"))
+        if model is not None and model.batcher is not None:
+            shed = model.batcher.shed(keep_requests)
+            log.info("%s began shedding a flood: %d queued requests refused, %d kept", task, shed, keep_requests)
 
     def _refuse(self, task: str) -> int:
         """Count a refusal at admission; -> Retry-After in seconds: the recent time a request of this task spends in

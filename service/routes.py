@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from service.batcher import BatchFailed, DeadlineExceeded, QueueFull, ShuttingDown
+from service.batcher import BatchFailed, DeadlineExceeded, QueueFull, Shed, ShuttingDown
 from service.deps import ModelService, ServiceState, State, serving_model
 from service.errors import (
     CLIENT_CLOSED_REQUEST,
@@ -150,11 +150,12 @@ async def _infer(
             request_task.uncancel()
         raise ServiceError(CLIENT_CLOSED_REQUEST, "client_closed_request", "client closed the request") from None
     except QueueFull as e:
-        state.metrics.rejected.labels(route, "queue_full").inc()
-        raise ServiceError(
-            429, "overloaded", f"the {model.bundle.name} queue is full; {e}",
-            headers={"Retry-After": str(e.retry_after_s)},
-        ) from None
+        shed = isinstance(e, Shed)
+        state.metrics.rejected.labels(route, "shed" if shed else "queue_full").inc()
+        message = (f"{route} began shedding a flood and this request was queued behind the ones it keeps (nothing was "
+                   "computed); retry after the time in Retry-After" if shed else
+                   f"the {model.bundle.name} queue is full; {e}")  # fmt: skip
+        raise ServiceError(429, "overloaded", message, headers={"Retry-After": str(e.retry_after_s)}) from None
     except DeadlineExceeded:
         raise ServiceError(
             504, "deadline_exceeded",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import SlowRuntime, make_settings, running_service
 
-from service.batcher import Batcher, DeadlineExceeded, QueueFull, _ComputeThread
+from service.batcher import Batcher, DeadlineExceeded, QueueFull, Shed, _ComputeThread
 
 pytestmark = pytest.mark.anyio
 
@@ -395,6 +395,28 @@ async def test_queued_cost_follows_the_queue_through_submits_drops_and_batches()
     assert batcher._queued_cost == 0 and batcher.queue_depth == 0
     await batcher.close()
 
+
+
+async def test_shedding_keeps_the_oldest_queued_requests_and_refuses_the_rest_uncomputed():
+    """When its route begins shedding a flood, the queue keeps its oldest requests (all of a request's texts) and
+    refuses the others with Shed, a QueueFull (429): none of their texts is computed, and what runs is not touched."""
+    runtime = RecordingRuntime(delay_s=0.1)
+    batcher = make_batcher(runtime, max_batch_size=1)
+    batcher.start()
+    running = asyncio.create_task(batcher.submit([[1]], timeout_s=5))
+    await asyncio.sleep(0.03)  # computing, so out of the queue
+    queued = [asyncio.create_task(batcher.submit([[1] * n] * 2, timeout_s=5)) for n in (2, 3, 4, 5)]
+    await asyncio.sleep(0)
+    assert batcher.queue_depth == 8
+    assert batcher.shed(2) == 2
+    assert batcher.queue_depth == 4 and batcher._queued_cost == 4
+    outcomes = await asyncio.gather(running, *queued, return_exceptions=True)
+    await batcher.close()
+    assert [[row[0] for row in out] for out in outcomes[:3]] == [[1], [2, 2], [3, 3]]
+    assert all(isinstance(out, Shed) and isinstance(out, QueueFull) and out.retry_after_s >= 1
+               for out in outcomes[3:])  # fmt: skip
+    assert sorted(length for batch in runtime.batches for length in batch) == [1, 2, 2, 3, 3]
+    assert batcher.shed(2) == 0  # nothing queued: nothing to refuse
 
 # ---- cut-ins: a much shorter batch runs whole between two steps of a long one (translation) ----
 

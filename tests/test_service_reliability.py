@@ -243,6 +243,43 @@ async def test_over_the_burst_limit_a_request_waits_for_a_slot_instead_of_being_
             assert app.request_context.admission["/classify"].in_flight == 0
 
 
+
+async def test_when_a_flood_begins_to_be_shed_the_queue_refuses_what_the_burst_let_in_beyond_the_shed_limit(models_dir):
+    """A flood's first windows let in the whole burst limit; once the route sheds, the model's queue keeps only the
+    shed limit's oldest requests and answers the rest 429 at once (nothing computed for them), instead of serving
+    them after that backlog (a /translate flood's p99 was set by them)."""
+    from service.app import create_app
+
+    slow = None
+
+    def wrap(runtime):
+        nonlocal slow
+        slow = SlowRuntime(runtime, 0.2)
+        return slow
+
+    settings = make_settings(models_dir, translate_model="", max_batch_size=1, max_concurrent_requests=8,
+                             shed_concurrent_requests=2)  # fmt: skip
+    app = create_app(settings, wrap_runtime=wrap)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+            burst = [asyncio.create_task(client.post("/classify", json={"text": "the film"})) for _ in range(8)]
+            flood = []
+            for _ in range(40):  # one arrival every 10 ms while a batch takes 200 ms: the route sheds
+                await asyncio.sleep(0.01)
+                flood.append(asyncio.create_task(client.post("/classify", json={"text": "the film"})))
+            answers = await asyncio.gather(*burst, *flood)
+            metrics = (await client.get("/metrics")).text
+    shed = [r for r in answers[:8] if r.status_code == 429]
+    assert len(shed) >= 3, [r.status_code for r in answers[:8]]  # 8 let in, at most 1 computing + 2 kept + 2 more
+    for r in shed:
+        error = r.json()["error"]
+        assert error["code"] == "overloaded" and "began shedding a flood" in error["message"]
+        assert int(r.headers["retry-after"]) >= 1 and error["request_id"] == r.headers["x-request-id"]
+    assert {r.status_code for r in answers} == {200, 429}
+    assert len(slow.batches) == sum(r.status_code == 200 for r in answers)  # nothing computed for a shed request
+    assert f'linformer_rejected_requests_total{{reason="shed",route="/classify"}} {len(shed)}.0' in metrics
+
 class _Clock:
     def __init__(self):
         self.now = 1000.0
@@ -322,9 +359,76 @@ async def test_admission_sheds_a_flood_refuses_its_waiting_requests_and_recovers
     for _ in range(20):
         await step(10, 3)
     assert route.in_flight <= 4 and Admission.WAIT not in outcomes and Admission.REFUSE in outcomes
-    for _ in range(40):  # the flood is over: fewer arrivals than completions
+    for _ in range(60):  # the flood is over: fewer arrivals than completions
         await step(1, 3)
     assert not route.shedding and route.limit == 8
+
+
+
+async def test_a_route_that_sheds_keeps_shedding_while_requests_arrive_faster_than_they_complete():
+    """Once shedding, the route stops only when requests no longer arrive faster than they complete, not as soon as a
+    window has fewer than FLOOD_RATIO arrivals per completion: under a flood, batched completions made such windows
+    often enough to let the burst and the waiting room in mid-flood. Starting to shed still takes the full test, and
+    when shedding begins the queue is told how many requests to keep."""
+    from service.middleware import FLOOD_WINDOW_S, Admission, RouteAdmission
+
+    clock = _Clock()
+    told = []
+    route = RouteAdmission(burst_limit=8, shed_limit=4, max_waiting=1000, clock=clock, on_shed=told.append)
+    outcomes = []
+
+    async def step(arrivals: int, completions: int) -> None:
+        clock.now += 0.01
+        for _ in range(arrivals):
+            decision = route.arrive()
+            outcomes.append(decision)
+            if decision is Admission.WAIT:
+                asyncio.ensure_future(route.wait_for_slot(60))
+        for _ in range(min(completions, route.in_flight)):
+            route.complete()
+        await _settle()
+
+    for _ in range(int(2.5 * FLOOD_WINDOW_S / 0.01)):  # 10 arrivals and 3 completions per 10 ms: a flood
+        await step(10, 3)
+    assert route.shedding and told == [4]
+    for _ in range(50):  # 1.5 arrivals per completion for half a second: less than the bar to start, still a flood
+        await step(6, 4)
+        assert route.shedding and route.in_flight <= 4
+    assert told == [4]  # told once, when shedding began
+    for _ in range(40):  # arrivals fall below completions: the flood is over
+        await step(2, 4)
+    assert not route.shedding and route.limit == 8
+
+
+
+async def test_a_flood_whose_batched_completions_make_every_other_window_unclear_is_still_shed():
+    """Windows between the flood bar and calm (here 1.7 arrivals per completion, every other window: batched
+    completions) neither break the run of flooded windows that starts shedding nor count as calm: the flood is shed
+    and its waiting requests refused, not let in during the unclear window."""
+    from service.middleware import Admission, RouteAdmission
+
+    clock = _Clock()
+    route = RouteAdmission(burst_limit=200, shed_limit=4, max_waiting=1000, clock=clock)
+    waiters = []
+
+    async def window(arrivals: int, completions: int, first: int = 0) -> None:  # 10 ticks of 10.1 ms: one window
+        for tick in range(10):
+            clock.now += 0.0101
+            for _ in range(arrivals + (first if tick == 0 else 0)):
+                if route.arrive() is Admission.WAIT:
+                    waiters.append(asyncio.ensure_future(route.wait_for_slot(60)))
+            for _ in range(min(completions, route.in_flight)):
+                route.complete()
+            await _settle()
+
+    await window(10, 3, first=200)  # the burst limit fills at once, then 3.3 arrivals per completion: flooded
+    admitted = route.in_flight
+    await window(10, 6)  # 1.7 arrivals per completion: unclear, and the waiting requests stay held
+    assert not route.shedding and route.in_flight == admitted - 60
+    await window(10, 3)  # flooded again: the second flooded window with no calm one between
+    await window(10, 3)  # (the verdict on a window comes at its turn)
+    assert route.shedding
+    assert waiters and all(w.done() and w.result() is Admission.REFUSE for w in waiters)
 
 
 async def test_admission_holds_a_floods_waiting_requests_across_the_window_turn_until_it_sheds():
