@@ -278,15 +278,18 @@ def check_open_files(settings: Settings) -> None:
     before, limit = raise_open_files_limit()
     if limit != before:
         log.info(f"open files limit (ulimit -n) raised from {before} to {limit}, the hard limit (a connection is one)")
-    routes = sum(1 for model in (settings.classify_model, settings.translate_model) if model)
-    admitted = routes * (settings.max_concurrent_requests + settings.max_waiting_requests)
+    tasks = [task for task, model in (("classify", settings.classify_model), ("translate", settings.translate_model))
+             if model]  # fmt: skip
+    admitted = sum(settings.max_concurrent_for(task) + settings.max_waiting_requests for task in tasks)
     if limit != resource.RLIM_INFINITY and limit < admitted + OTHER_FILES:
+        per_route = " + ".join(f"/{task} {settings.max_concurrent_for(task)} in progress and "
+                               f"{settings.max_waiting_requests} waiting" for task in tasks)  # fmt: skip
         log.warning(
             f"this process may open {limit} files (ulimit -n), fewer than the {admitted} connections its admission "
-            f"limits let in ({routes} task route(s) x (LINFORMER_MAX_CONCURRENT_REQUESTS "
-            f"{settings.max_concurrent_requests} + LINFORMER_MAX_WAITING_REQUESTS {settings.max_waiting_requests}))"
-            f" and {OTHER_FILES} of its own: connections over the limit are closed unanswered. Raise the hard limit "
-            "(ulimit -Hn, systemd LimitNOFILE=, docker run --ulimit nofile=) or lower the waiting room"
+            f"limits let in ({per_route}: LINFORMER_[TRANSLATE_]MAX_CONCURRENT_REQUESTS, "
+            f"LINFORMER_MAX_WAITING_REQUESTS) and {OTHER_FILES} of its own: connections over the limit are closed "
+            "unanswered. Raise the hard limit (ulimit -Hn, systemd LimitNOFILE=, docker run --ulimit nofile=) or lower "
+            "the waiting room"
         )
 
 

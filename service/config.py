@@ -63,17 +63,23 @@ class Settings(BaseSettings):
     max_texts_per_request: int = Field(64, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1)
     # Admission control, like text-embeddings-inference's max-concurrent-requests: requests in progress per
-    # task route; a request over the limits is refused before its body is parsed, so refusing costs next to nothing.
+    # task route (the burst limit: this one for /classify, /translate has its own below); a request over the limits is
+    # refused before its body is parsed, so refusing costs next to nothing.
     # A stall and a flood look alike for a moment but need opposite answers: a stall of the core (another process, a
     # long batch) piles up requests that are served soon after, a flood keeps arriving faster than the model serves.
     # So a request over the burst limit waits for a slot (up to `max_waiting_requests` of them, each at most
     # `request_timeout_s`, then 504; one whose client leaves gives up its place at once) instead of being
     # refused, and only while the route is flooded (requests arrive at over twice the rate they complete, two 0.1-s
-    # windows with no calm one between, service/middleware.py) are the waiting requests refused and `shed_concurrent_requests`
-    # admitted, about what keeps one core's model busy, so accepted requests keep their unloaded latency; the
-    # model's queue then keeps that many of the requests it holds and refuses the rest (what the burst let in before
-    # the flood was recognised) (benchmarks/results/overload-*.md, soak-*.md).
+    # windows with no calm one between, service/middleware.py) are the waiting requests refused and
+    # `shed_concurrent_requests` admitted, about what keeps one core's model busy, so accepted requests keep their
+    # unloaded latency; the model's queue then keeps that many of the requests it holds and refuses the rest (what
+    # the burst let in before the flood was recognised) (benchmarks/results/overload-*.md, soak-*.md).
     max_concurrent_requests: int = Field(128, ge=1)
+    # /translate's own burst limit. The burst is what a flood gets in before it is recognised, and it is served late:
+    # at ~300 short translations/s on one core (a classification of a review: ~800/s), 128 took 0.4 s, and in 3x floods
+    # accepted requests' p99 was 3.4-4.1x the unloaded p99 against 1.1-1.9x with 48 (benchmarks/results/
+    # reliability-session19/). What a stall piles up beyond it waits in the waiting room.
+    translate_max_concurrent_requests: int = Field(48, ge=1)
     max_waiting_requests: int = Field(1024, ge=0)
     shed_concurrent_requests: int = Field(16, ge=1)
 
@@ -114,6 +120,10 @@ class Settings(BaseSettings):
             raise ValueError(f"LINFORMER_MAX_DECODE_TOKENS_PER_REQUEST={self.max_decode_tokens_per_request} exceeds "
                              f"LINFORMER_MAX_QUEUED_DECODE_TOKENS={self.max_queued_decode_tokens}")  # fmt: skip
         return self
+
+    def max_concurrent_for(self, task: str) -> int:
+        """The burst limit of a task route ("classify", "translate"): requests in progress on it."""
+        return self.translate_max_concurrent_requests if task == "translate" else self.max_concurrent_requests
 
     @field_validator("log_level", mode="before")
     @classmethod

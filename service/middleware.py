@@ -233,7 +233,7 @@ class RequestContextMiddleware:
         self.max_body_bytes = settings.max_body_bytes
         self.request_timeout_s = settings.request_timeout_s  # each request's deadline, from its arrival
         self.admission = {
-            task: RouteAdmission(settings.max_concurrent_requests, settings.shed_concurrent_requests,
+            task: RouteAdmission(settings.max_concurrent_for(task.removeprefix("/")), settings.shed_concurrent_requests,
                                  settings.max_waiting_requests, on_shed=functools.partial(self._shed_queue, task))
             for task in TASK_PATHS
         }  # fmt: skip
@@ -474,9 +474,10 @@ class RequestContextMiddleware:
         if shedding:
             return (f"{task} is shedding load ({admission.shed_limit} requests in progress while flooded, "
                     "LINFORMER_SHED_CONCURRENT_REQUESTS); retry after the time in Retry-After")  # fmt: skip
+        burst_setting = "LINFORMER_TRANSLATE_MAX_CONCURRENT_REQUESTS" if task == "/translate" else \
+            "LINFORMER_MAX_CONCURRENT_REQUESTS"
         return (f"{task} is at capacity ({admission.burst_limit} requests in progress and {admission.max_waiting} "
-                "waiting, LINFORMER_MAX_CONCURRENT_REQUESTS and LINFORMER_MAX_WAITING_REQUESTS); retry after the time "
-                "in Retry-After")  # fmt: skip
+                f"waiting, {burst_setting} and LINFORMER_MAX_WAITING_REQUESTS); retry after the time in Retry-After")
 
     @staticmethod
     async def _send_error(

@@ -215,6 +215,25 @@ async def test_over_the_concurrency_limit_is_429_before_the_body_is_read(models_
             assert 'linformer_rejected_requests_total{reason="concurrency",route="/classify"} 1.0' in metrics
 
 
+
+def test_translate_has_its_own_burst_limit_and_its_refusal_names_it(models_dir):
+    """A translation costs several classifications, so /translate lets fewer requests in before a flood is recognised
+    (LINFORMER_TRANSLATE_MAX_CONCURRENT_REQUESTS, 48); /classify keeps LINFORMER_MAX_CONCURRENT_REQUESTS."""
+    from service.app import create_app
+
+    def request_context(**settings):
+        app = create_app(make_settings(models_dir, translate_model="", **settings))
+        app.build_middleware_stack()  # (else built on the first request)
+        return app.request_context
+
+    admission = request_context().admission
+    assert admission["/classify"].burst_limit == 128 and admission["/translate"].burst_limit == 48
+    context = request_context(max_concurrent_requests=7, translate_max_concurrent_requests=5)
+    assert context.admission["/classify"].burst_limit == 7 and context.admission["/translate"].burst_limit == 5
+    assert "(5 requests in progress" in context._at_capacity("/translate", shedding=False)
+    assert "LINFORMER_TRANSLATE_MAX_CONCURRENT_REQUESTS" in context._at_capacity("/translate", shedding=False)
+    assert "LINFORMER_TRANSLATE" not in context._at_capacity("/classify", shedding=False)
+
 async def test_over_the_burst_limit_a_request_waits_for_a_slot_instead_of_being_refused(models_dir):
     """A pile-up over LINFORMER_MAX_CONCURRENT_REQUESTS (a stall of the core) waits and is served, first come first
     served; only with the waiting room full too is a request refused, naming both settings."""
