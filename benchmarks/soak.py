@@ -6,8 +6,8 @@ The server (`python -m service`, default settings, 1 ORT thread) is pinned to co
 core 1. Saturation is measured first (closed loop, 8 s at each of a few concurrencies, best throughput); then
 an open-loop rate of `fraction` x that runs for `--minutes`, with the server's RSS sampled every 5 s. Goals
 (issue #12): 0 failures (anything but 200), RSS growth < 5 % from the end of the first minute (warm-up) to the
-end. After the soak, `--backlog-rounds` pairs of closed-loop phases, 16 clients and then 1,100 (the burst limit
-and most of the waiting room: a standing backlog), 8 s each: whether a backlog is served slower than an unloaded
+end. After the soak, `--backlog-rounds` pairs of closed-loop phases, 16 clients and then 1,100 on /classify (its burst
+limit and most of the waiting room: a standing backlog), 8 s each: whether a backlog is served slower than an unloaded
 saturation on this machine, which would keep a backlog once formed. Writes soak-<bundle>.{csv,md,png}.
 """
 
@@ -31,7 +31,7 @@ from benchmarks.loadgen import (  # noqa: E402
     percentile,
     server_on_core_0,
 )  # fmt: skip
-from benchmarks.overload import WHAT_IS_SENT, saturation_run  # noqa: E402
+from benchmarks.overload import SATURATING, WHAT_IS_SENT, saturation_run  # noqa: E402
 from loadtest.report import (  # noqa: E402
     agg_subplots,
     header,
@@ -41,12 +41,18 @@ from loadtest.report import (  # noqa: E402
     write_csv,
     write_markdown,
 )
+from service.config import Settings  # noqa: E402
 
 SAMPLE_S = 5.0
 WARM_UP_S = 60.0
-# closed-loop clients that keep a backlog standing without a refusal: the default burst limit (128 in progress) and
-# most of the default waiting room (1,024)
-BACKLOG_CLIENTS = 1100
+
+
+def backlog_clients(task: str) -> tuple[int, int]:
+    """Closed-loop clients that keep a backlog standing on a task's route without a refusal: its default burst limit
+    and most of the default waiting room (1,100 for /classify's 128 + 1,024); -> (clients, burst limit)."""
+    defaults = Settings.model_construct()
+    burst, _ = defaults.route_limits(task)
+    return burst + defaults.max_waiting_requests - 52, burst
 
 
 def main() -> None:
@@ -55,7 +61,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--fraction", type=float, default=0.7)
     parser.add_argument("--setting", action="append", default=[], help="extra LINFORMER_X=value for the server")
-    parser.add_argument("--backlog-rounds", type=int, default=2, help="after the soak: 16 vs 1,100 clients, pairs")
+    parser.add_argument("--backlog-rounds", type=int, default=2, help="after the soak: 16 vs ~1,100 clients, pairs")
     parser.add_argument("--stem", help="results file name (default soak-<bundle>)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
@@ -72,7 +78,7 @@ def main() -> None:
     try:
         asyncio.run(closed_loop(port, request, 8, 3.0))  # warm-up
         saturation = []
-        for clients in (4, 8, 16):
+        for clients in map(int, SATURATING[task].split(",")):
             records = asyncio.run(closed_loop(port, request, clients, 8.0))
             saturation.append({"clients": clients, "throughput_rps": sum(r.status == 200 for r in records) / 8.0})
         saturated_rps = max(row["throughput_rps"] for row in saturation)
@@ -99,7 +105,7 @@ def main() -> None:
         rss.append((seconds, server.rss_mb()))
         backlog = []
         for n in range(args.backlog_rounds):
-            backlog += saturation_run(server, request, [16, BACKLOG_CLIENTS], f"round {n + 1}")
+            backlog += saturation_run(server, request, [16, backlog_clients(task)[0]], f"round {n + 1}")
     finally:
         exit_code = server.stop()
     rows = []
@@ -156,31 +162,32 @@ def main() -> None:
         "",
         f"Server exit code on SIGTERM: {exit_code}. RSS at start of the soak: {rss[0][1]:.1f} MB.",
         "",
-        *backlog_section(backlog),
+        *backlog_section(backlog, task),
         f"![throughput, latency and RSS over time]({stem}.png)",
         "",
     ]  # fmt: skip
     write_markdown(args.out / f"{stem}.md", lines)
 
 
-def backlog_section(rows: list[dict]) -> list[str]:
+def backlog_section(rows: list[dict], task: str) -> list[str]:
     """Is a standing backlog served slower than an unloaded saturation (then a backlog, once formed, would stay)?"""
     if not rows:
         return []
+    backlog, burst = backlog_clients(task)
     for row in rows:
         row["loop_us_per_request"] = row["loop_share"] / row["throughput_rps"] * 1e6
     rates = {clients: [row["throughput_rps"] for row in rows if row["clients"] == clients]
-             for clients in (16, BACKLOG_CLIENTS)}  # fmt: skip
+             for clients in (16, backlog)}  # fmt: skip
     return [
         "## A backlog against an unloaded saturation", "",
-        f"After the soak, closed-loop phases of 8 s taking turns: 16 clients, then {BACKLOG_CLIENTS} (128 in progress, "
+        f"After the soak, closed-loop phases of 8 s taking turns: 16 clients, then {backlog} ({burst} in progress, "
         "the rest in the waiting room: a standing backlog, no refusal).", "",
         *markdown_table(rows, {"when": "round", "clients": "clients", "throughput_rps": "200/s", "p99_ms": "p99 (ms)",
                                "rejected_429": "429", "loop_share": "event loop's share of the core",
                                "other_share": "compute threads' share",
                                "loop_us_per_request": "event-loop CPU per request (µs)"}),  # fmt: skip
         "",
-        f"200/s with a backlog: {', '.join(f'{r:.0f}' for r in rates[BACKLOG_CLIENTS])}; with 16 clients: "
+        f"200/s with a backlog: {', '.join(f'{r:.0f}' for r in rates[backlog])}; with 16 clients: "
         f"{', '.join(f'{r:.0f}' for r in rates[16])}.",
         "",
     ]

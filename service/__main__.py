@@ -280,9 +280,9 @@ def check_open_files(settings: Settings) -> None:
         log.info(f"open files limit (ulimit -n) raised from {before} to {limit}, the hard limit (a connection is one)")
     tasks = [task for task, model in (("classify", settings.classify_model), ("translate", settings.translate_model))
              if model]  # fmt: skip
-    admitted = sum(settings.max_concurrent_for(task) + settings.max_waiting_requests for task in tasks)
+    admitted = sum(settings.route_limits(task)[0] + settings.max_waiting_requests for task in tasks)
     if limit != resource.RLIM_INFINITY and limit < admitted + OTHER_FILES:
-        per_route = " + ".join(f"/{task} {settings.max_concurrent_for(task)} in progress and "
+        per_route = " + ".join(f"/{task} {settings.route_limits(task)[0]} in progress and "
                                f"{settings.max_waiting_requests} waiting" for task in tasks)  # fmt: skip
         log.warning(
             f"this process may open {limit} files (ulimit -n), fewer than the {admitted} connections its admission "

@@ -77,11 +77,15 @@ class Settings(BaseSettings):
     max_concurrent_requests: int = Field(128, ge=1)
     # /translate's own burst limit. The burst is what a flood gets in before it is recognised, and it is served late:
     # at ~300 short translations/s on one core (a classification of a review: ~800/s), 128 took 0.4 s, and in 3x floods
-    # accepted requests' p99 was 3.4-4.1x the unloaded p99 against 1.1-1.9x with 48 (benchmarks/results/
+    # accepted requests' p99 was 3.4-4.1x the unloaded p99, 1.6-1.9x with 32 (benchmarks/results/
     # reliability-session19/). What a stall piles up beyond it waits in the waiting room.
-    translate_max_concurrent_requests: int = Field(48, ge=1)
+    translate_max_concurrent_requests: int = Field(32, ge=1)
     max_waiting_requests: int = Field(1024, ge=0)
     shed_concurrent_requests: int = Field(16, ge=1)
+    # /translate's while it sheds: a request-level batch takes every queued sentence, so with 16 in progress one batch
+    # of 16 computed while new arrivals waited for it to end, and the model idled between batches; 32 lets the next
+    # batch queue while one computes (3x floods: goodput 0.71-0.92 of the saturation with 16, 1.05-1.27 with 32).
+    translate_shed_concurrent_requests: int = Field(32, ge=1)
 
     # SIGTERM: /readyz turns 503 at once and answers carry `Connection: close` for this long, so load
     # balancers and keep-alive clients move away; then the server stops accepting, finishes what it
@@ -121,9 +125,12 @@ class Settings(BaseSettings):
                              f"LINFORMER_MAX_QUEUED_DECODE_TOKENS={self.max_queued_decode_tokens}")  # fmt: skip
         return self
 
-    def max_concurrent_for(self, task: str) -> int:
-        """The burst limit of a task route ("classify", "translate"): requests in progress on it."""
-        return self.translate_max_concurrent_requests if task == "translate" else self.max_concurrent_requests
+    def route_limits(self, task: str) -> tuple[int, int]:
+        """A task route's ("classify", "translate") admission limits: requests in progress on it, normally (the
+        burst limit) and while it sheds a flood."""
+        if task == "translate":
+            return self.translate_max_concurrent_requests, self.translate_shed_concurrent_requests
+        return self.max_concurrent_requests, self.shed_concurrent_requests
 
     @field_validator("log_level", mode="before")
     @classmethod

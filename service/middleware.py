@@ -76,8 +76,8 @@ class RouteAdmission:
     refuse what it holds beyond the `shed_limit` oldest requests (Batcher.shed), the rest of the burst let in while
     the flood was not yet recognised, which would otherwise be served late (a /translate flood's p99 was set by
     them). Waiting requests are not given free slots while the current window so far looks flooded, nor
-    after a flooded window until the next shows otherwise, so that a flood's first requests are refused once it is
-    recognised rather than served late.
+    after a flooded window until one shows calm, so that a flood's first requests are refused once it is recognised
+    rather than served late.
     `clock` is time.monotonic; tests pass their own.
     """
 
@@ -233,8 +233,8 @@ class RequestContextMiddleware:
         self.max_body_bytes = settings.max_body_bytes
         self.request_timeout_s = settings.request_timeout_s  # each request's deadline, from its arrival
         self.admission = {
-            task: RouteAdmission(settings.max_concurrent_for(task.removeprefix("/")), settings.shed_concurrent_requests,
-                                 settings.max_waiting_requests, on_shed=functools.partial(self._shed_queue, task))
+            task: RouteAdmission(*settings.route_limits(task.removeprefix("/")), settings.max_waiting_requests,
+                                 on_shed=functools.partial(self._shed_queue, task))
             for task in TASK_PATHS
         }  # fmt: skip
         # the 429's body for each route, full or shedding, split where the request id goes: formatted once, not per
@@ -471,13 +471,13 @@ class RequestContextMiddleware:
 
     def _at_capacity(self, task: str, shedding: bool) -> str:
         admission = self.admission[task]
+        own = "TRANSLATE_" if task == "/translate" else ""  # /translate has limits of its own
         if shedding:
             return (f"{task} is shedding load ({admission.shed_limit} requests in progress while flooded, "
-                    "LINFORMER_SHED_CONCURRENT_REQUESTS); retry after the time in Retry-After")  # fmt: skip
-        burst_setting = "LINFORMER_TRANSLATE_MAX_CONCURRENT_REQUESTS" if task == "/translate" else \
-            "LINFORMER_MAX_CONCURRENT_REQUESTS"
+                    f"LINFORMER_{own}SHED_CONCURRENT_REQUESTS); retry after the time in Retry-After")  # fmt: skip
         return (f"{task} is at capacity ({admission.burst_limit} requests in progress and {admission.max_waiting} "
-                f"waiting, {burst_setting} and LINFORMER_MAX_WAITING_REQUESTS); retry after the time in Retry-After")
+                f"waiting, LINFORMER_{own}MAX_CONCURRENT_REQUESTS and LINFORMER_MAX_WAITING_REQUESTS); retry after "
+                "the time in Retry-After")
 
     @staticmethod
     async def _send_error(

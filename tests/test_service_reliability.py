@@ -216,9 +216,10 @@ async def test_over_the_concurrency_limit_is_429_before_the_body_is_read(models_
 
 
 
-def test_translate_has_its_own_burst_limit_and_its_refusal_names_it(models_dir):
-    """A translation costs several classifications, so /translate lets fewer requests in before a flood is recognised
-    (LINFORMER_TRANSLATE_MAX_CONCURRENT_REQUESTS, 48); /classify keeps LINFORMER_MAX_CONCURRENT_REQUESTS."""
+def test_translate_has_limits_of_its_own_and_its_refusals_name_them(models_dir):
+    """A translation costs several classifications and its request-level batches take every queued sentence, so
+    /translate lets fewer requests in before a flood is recognised and more while it sheds (32 and 32, its own
+    settings); /classify keeps LINFORMER_MAX_CONCURRENT_REQUESTS and LINFORMER_SHED_CONCURRENT_REQUESTS."""
     from service.app import create_app
 
     def request_context(**settings):
@@ -227,12 +228,17 @@ def test_translate_has_its_own_burst_limit_and_its_refusal_names_it(models_dir):
         return app.request_context
 
     admission = request_context().admission
-    assert admission["/classify"].burst_limit == 128 and admission["/translate"].burst_limit == 48
-    context = request_context(max_concurrent_requests=7, translate_max_concurrent_requests=5)
-    assert context.admission["/classify"].burst_limit == 7 and context.admission["/translate"].burst_limit == 5
-    assert "(5 requests in progress" in context._at_capacity("/translate", shedding=False)
-    assert "LINFORMER_TRANSLATE_MAX_CONCURRENT_REQUESTS" in context._at_capacity("/translate", shedding=False)
-    assert "LINFORMER_TRANSLATE" not in context._at_capacity("/classify", shedding=False)
+    assert (admission["/classify"].burst_limit, admission["/classify"].shed_limit) == (128, 16)
+    assert (admission["/translate"].burst_limit, admission["/translate"].shed_limit) == (32, 32)
+    context = request_context(max_concurrent_requests=7, shed_concurrent_requests=3,
+                              translate_max_concurrent_requests=5, translate_shed_concurrent_requests=4)  # fmt: skip
+    assert (context.admission["/classify"].burst_limit, context.admission["/classify"].shed_limit) == (7, 3)
+    assert (context.admission["/translate"].burst_limit, context.admission["/translate"].shed_limit) == (5, 4)
+    full, shedding = context._at_capacity("/translate", shedding=False), context._at_capacity("/translate", True)
+    assert "(5 requests in progress" in full and "LINFORMER_TRANSLATE_MAX_CONCURRENT_REQUESTS" in full
+    assert "(4 requests in progress" in shedding and "LINFORMER_TRANSLATE_SHED_CONCURRENT_REQUESTS" in shedding
+    assert "TRANSLATE" not in context._at_capacity("/classify", False) + context._at_capacity("/classify", True)
+
 
 async def test_over_the_burst_limit_a_request_waits_for_a_slot_instead_of_being_refused(models_dir):
     """A pile-up over LINFORMER_MAX_CONCURRENT_REQUESTS (a stall of the core) waits and is served, first come first
