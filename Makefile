@@ -70,6 +70,7 @@ soak: $(STAMP)
 
 overload: $(STAMP)
 	$(PY) -m benchmarks.overload
+	$(PY) -m benchmarks.overload --bundle translate-linformer
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -77,14 +77,14 @@ class Settings(BaseSettings):
     max_concurrent_requests: int = Field(128, ge=1)
     # /translate's own burst limit. The burst is what a flood gets in before it is recognised, and it is served late:
     # at ~300 short translations/s on one core (a classification of a review: ~800/s), 128 took 0.4 s, and in 3x floods
-    # accepted requests' p99 was 3.4-4.1x the unloaded p99, 1.6-1.9x with 32 (benchmarks/results/
+    # accepted requests' p99 was 3.4-4.1x the unloaded p99, 0.9-1.2x with 32 (benchmarks/results/
     # reliability-session19/). What a stall piles up beyond it waits in the waiting room.
     translate_max_concurrent_requests: int = Field(32, ge=1)
     max_waiting_requests: int = Field(1024, ge=0)
     shed_concurrent_requests: int = Field(16, ge=1)
     # /translate's while it sheds: a request-level batch takes every queued sentence, so with 16 in progress one batch
     # of 16 computed while new arrivals waited for it to end, and the model idled between batches; 32 lets the next
-    # batch queue while one computes (3x floods: goodput 0.71-0.92 of the saturation with 16, 1.05-1.27 with 32).
+    # batch queue while one computes (3x floods: 254-358 translations/s answered with 16, 396-462 with 32).
     translate_shed_concurrent_requests: int = Field(32, ge=1)
 
     # SIGTERM: /readyz turns 503 at once and answers carry `Connection: close` for this long, so load
