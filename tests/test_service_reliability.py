@@ -318,6 +318,29 @@ async def _settle():
         await asyncio.sleep(0)
 
 
+class _Traffic:
+    """Drives a RouteAdmission on a test clock: each step, `arrivals` requests arrive (those told to wait wait for a
+    slot) and up to `completions` of those in progress complete."""
+
+    def __init__(self, route, clock: _Clock):
+        self.route, self.clock = route, clock
+        self.waiters: list[asyncio.Future] = []
+        self.outcomes: list = []
+
+    async def step(self, arrivals: int, completions: int, tick_s: float = 0.01) -> None:
+        from service.middleware import Admission
+
+        self.clock.now += tick_s
+        for _ in range(arrivals):
+            decision = self.route.arrive()
+            self.outcomes.append(decision)
+            if decision is Admission.WAIT:
+                self.waiters.append(asyncio.ensure_future(self.route.wait_for_slot(60)))
+        for _ in range(min(completions, self.route.in_flight)):
+            self.route.complete()
+        await _settle()
+
+
 async def test_admission_serves_a_stalls_pile_without_refusing_it():
     """A stall: requests pile up at once (read together when the core is back), then arrive at their usual rate,
     slower than a model working off a backlog completes them. The pile waits (held back while its window looks
@@ -359,33 +382,21 @@ async def test_admission_sheds_a_flood_refuses_its_waiting_requests_and_recovers
     the burst limit is back."""
     from service.middleware import FLOOD_WINDOW_S, Admission, RouteAdmission
 
-    clock = _Clock()
-    route = RouteAdmission(burst_limit=8, shed_limit=4, max_waiting=1000, clock=clock)
-    waiters, outcomes = [], []
-
-    async def step(arrivals: int, completions: int) -> None:
-        clock.now += 0.01
-        for _ in range(arrivals):
-            decision = route.arrive()
-            outcomes.append(decision)
-            if decision is Admission.WAIT:
-                waiters.append(asyncio.ensure_future(route.wait_for_slot(60)))
-        for _ in range(min(completions, route.in_flight)):
-            route.complete()
-        await _settle()
-
+    route = RouteAdmission(burst_limit=8, shed_limit=4, max_waiting=1000, clock=(clock := _Clock()))
+    traffic = _Traffic(route, clock)
     for _ in range(int(2.5 * FLOOD_WINDOW_S / 0.01)):  # 10 arrivals and 3 completions per 10 ms
-        await step(10, 3)
+        await traffic.step(10, 3)
     assert route.shedding and route.limit == 4
+    waiters = traffic.waiters
     assert waiters and all(w.done() for w in waiters)
     # refused once the flood was recognised
     assert sum(w.result() is Admission.REFUSE for w in waiters) > 0.8 * len(waiters)
-    outcomes.clear()
+    traffic.outcomes.clear()
     for _ in range(20):
-        await step(10, 3)
-    assert route.in_flight <= 4 and Admission.WAIT not in outcomes and Admission.REFUSE in outcomes
+        await traffic.step(10, 3)
+    assert route.in_flight <= 4 and Admission.WAIT not in traffic.outcomes and Admission.REFUSE in traffic.outcomes
     for _ in range(60):  # the flood is over: fewer arrivals than completions
-        await step(1, 3)
+        await traffic.step(1, 3)
     assert not route.shedding and route.limit == 8
 
 
@@ -395,33 +406,21 @@ async def test_a_route_that_sheds_keeps_shedding_while_requests_arrive_faster_th
     window has fewer than FLOOD_RATIO arrivals per completion: under a flood, batched completions made such windows
     often enough to let the burst and the waiting room in mid-flood. Starting to shed still takes the full test, and
     when shedding begins the queue is told how many requests to keep."""
-    from service.middleware import FLOOD_WINDOW_S, Admission, RouteAdmission
+    from service.middleware import FLOOD_WINDOW_S, RouteAdmission
 
-    clock = _Clock()
     told = []
-    route = RouteAdmission(burst_limit=8, shed_limit=4, max_waiting=1000, clock=clock, on_shed=told.append)
-    outcomes = []
-
-    async def step(arrivals: int, completions: int) -> None:
-        clock.now += 0.01
-        for _ in range(arrivals):
-            decision = route.arrive()
-            outcomes.append(decision)
-            if decision is Admission.WAIT:
-                asyncio.ensure_future(route.wait_for_slot(60))
-        for _ in range(min(completions, route.in_flight)):
-            route.complete()
-        await _settle()
-
+    route = RouteAdmission(burst_limit=8, shed_limit=4, max_waiting=1000, clock=(clock := _Clock()),
+                           on_shed=told.append)  # fmt: skip
+    traffic = _Traffic(route, clock)
     for _ in range(int(2.5 * FLOOD_WINDOW_S / 0.01)):  # 10 arrivals and 3 completions per 10 ms: a flood
-        await step(10, 3)
+        await traffic.step(10, 3)
     assert route.shedding and told == [4]
     for _ in range(50):  # 1.5 arrivals per completion for half a second: less than the bar to start, still a flood
-        await step(6, 4)
+        await traffic.step(6, 4)
         assert route.shedding and route.in_flight <= 4
     assert told == [4]  # told once, when shedding began
     for _ in range(40):  # arrivals fall below completions: the flood is over
-        await step(2, 4)
+        await traffic.step(2, 4)
     assert not route.shedding and route.limit == 8
 
 
@@ -432,19 +431,12 @@ async def test_a_flood_whose_batched_completions_make_every_other_window_unclear
     and its waiting requests refused, not let in during the unclear window."""
     from service.middleware import Admission, RouteAdmission
 
-    clock = _Clock()
-    route = RouteAdmission(burst_limit=200, shed_limit=4, max_waiting=1000, clock=clock)
-    waiters = []
+    route = RouteAdmission(burst_limit=200, shed_limit=4, max_waiting=1000, clock=(clock := _Clock()))
+    traffic = _Traffic(route, clock)
 
     async def window(arrivals: int, completions: int, first: int = 0) -> None:  # 10 ticks of 10.1 ms: one window
         for tick in range(10):
-            clock.now += 0.0101
-            for _ in range(arrivals + (first if tick == 0 else 0)):
-                if route.arrive() is Admission.WAIT:
-                    waiters.append(asyncio.ensure_future(route.wait_for_slot(60)))
-            for _ in range(min(completions, route.in_flight)):
-                route.complete()
-            await _settle()
+            await traffic.step(arrivals + (first if tick == 0 else 0), completions, tick_s=0.0101)
 
     await window(10, 3, first=200)  # the burst limit fills at once, then 3.3 arrivals per completion: flooded
     admitted = route.in_flight
@@ -453,7 +445,7 @@ async def test_a_flood_whose_batched_completions_make_every_other_window_unclear
     await window(10, 3)  # flooded again: the second flooded window with no calm one between
     await window(10, 3)  # (the verdict on a window comes at its turn)
     assert route.shedding
-    assert waiters and all(w.done() and w.result() is Admission.REFUSE for w in waiters)
+    assert traffic.waiters and all(w.done() and w.result() is Admission.REFUSE for w in traffic.waiters)
 
 
 async def test_admission_holds_a_floods_waiting_requests_across_the_window_turn_until_it_sheds():
@@ -463,23 +455,13 @@ async def test_admission_holds_a_floods_waiting_requests_across_the_window_turn_
     starts at its end."""
     from service.middleware import FLOOD_WINDOW_S, Admission, RouteAdmission
 
-    clock = _Clock()
     # a burst limit the model takes longer than a window to work off, as 128 requests on one core
-    route = RouteAdmission(burst_limit=40, shed_limit=4, max_waiting=1000, clock=clock)
-    waiters = []
-
-    async def step(arrivals: int, completions: int) -> None:
-        clock.now += 0.01
-        for _ in range(arrivals):
-            if route.arrive() is Admission.WAIT:
-                waiters.append(asyncio.ensure_future(route.wait_for_slot(60)))
-        for _ in range(min(completions, route.in_flight)):
-            route.complete()
-        await _settle()
-
+    route = RouteAdmission(burst_limit=40, shed_limit=4, max_waiting=1000, clock=(clock := _Clock()))
+    traffic = _Traffic(route, clock)
+    waiters = traffic.waiters
     second_window = False
     for _ in range(round(4 * FLOOD_WINDOW_S / 0.01)):  # 10 arrivals and 3 completions per 10 ms
-        await step(10, 3)
+        await traffic.step(10, 3)
         if route.shedding:
             break
         assert not any(w.done() for w in waiters)  # held back, also once slots are free
