@@ -442,8 +442,9 @@ class RequestContextMiddleware:
         (Batcher.shed), which the burst limit had let in during the flood's first windows."""
         model = self.state.models.get(task.removeprefix("/"))
         if model is not None and model.batcher is not None:
-            shed = model.batcher.shed(keep_requests)
-            log.info("%s began shedding a flood: %d queued requests refused, %d kept", task, shed, keep_requests)
+            refused = model.batcher.shed(keep_requests)
+            log.info("%s began shedding a flood: its queue keeps at most its %d oldest requests, %d more refused", task,
+                     keep_requests, refused)  # fmt: skip
 
     def _refuse(self, task: str) -> int:
         """Count a refusal at admission; -> Retry-After in seconds: the recent time a request of this task spends in
