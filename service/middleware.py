@@ -74,10 +74,9 @@ class RouteAdmission:
     `shed_limit` are in progress, about what keeps one core's model busy, so the requests it accepts keep their
     unloaded latency. When shedding begins, `on_shed(shed_limit)` is called: the middleware has the model's queue
     refuse what it holds beyond the `shed_limit` oldest requests (Batcher.shed), the rest of the burst let in while
-    the flood was not yet recognised, which would otherwise be served late (a /translate flood's p99 was set by
-    them). Waiting requests are not given free slots while the current window so far looks flooded, nor
-    after a flooded window until one shows calm, so that a flood's first requests are refused once it is recognised
-    rather than served late.
+    the flood was not yet recognised, which would otherwise be served late, after that backlog. Waiting requests are
+    not given free slots while the current window so far looks flooded, nor after a flooded window until one shows
+    calm, so that a flood's first requests are refused once it is recognised rather than served late.
     `clock` is time.monotonic; tests pass their own.
     """
 

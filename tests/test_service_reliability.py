@@ -215,7 +215,6 @@ async def test_over_the_concurrency_limit_is_429_before_the_body_is_read(models_
             assert 'linformer_rejected_requests_total{reason="concurrency",route="/classify"} 1.0' in metrics
 
 
-
 def test_translate_has_limits_of_its_own_and_its_refusals_name_them(models_dir):
     """A translation costs several classifications and its request-level batches take every queued sentence, so
     /translate lets fewer requests in before a flood is recognised and more while it sheds (32 and 32, its own
@@ -268,11 +267,10 @@ async def test_over_the_burst_limit_a_request_waits_for_a_slot_instead_of_being_
             assert app.request_context.admission["/classify"].in_flight == 0
 
 
-
 async def test_when_a_flood_begins_to_be_shed_the_queue_refuses_what_the_burst_let_in_beyond_the_shed_limit(models_dir):
     """A flood's first windows let in the whole burst limit; once the route sheds, the model's queue keeps only the
     shed limit's oldest requests and answers the rest 429 at once (nothing computed for them), instead of serving
-    them after that backlog (a /translate flood's p99 was set by them)."""
+    them after that backlog."""
     from service.app import create_app
 
     slow = None
@@ -400,7 +398,6 @@ async def test_admission_sheds_a_flood_refuses_its_waiting_requests_and_recovers
     assert not route.shedding and route.limit == 8
 
 
-
 async def test_a_route_that_sheds_keeps_shedding_while_requests_arrive_faster_than_they_complete():
     """Once shedding, the route stops only when requests no longer arrive faster than they complete, not as soon as a
     window has fewer than FLOOD_RATIO arrivals per completion: under a flood, batched completions made such windows
@@ -422,7 +419,6 @@ async def test_a_route_that_sheds_keeps_shedding_while_requests_arrive_faster_th
     for _ in range(40):  # arrivals fall below completions: the flood is over
         await traffic.step(2, 4)
     assert not route.shedding and route.limit == 8
-
 
 
 async def test_a_flood_whose_batched_completions_make_every_other_window_unclear_is_still_shed():
