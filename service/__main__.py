@@ -278,12 +278,11 @@ def check_open_files(settings: Settings) -> None:
     before, limit = raise_open_files_limit()
     if limit != before:
         log.info(f"open files limit (ulimit -n) raised from {before} to {limit}, the hard limit (a connection is one)")
-    tasks = [task for task, model in (("classify", settings.classify_model), ("translate", settings.translate_model))
-             if model]  # fmt: skip
-    admitted = sum(settings.route_limits(task)[0] + settings.max_waiting_requests for task in tasks)
+    bursts = {task: settings.route_limits(task)[0] for task, model in settings.task_models.items() if model}
+    admitted = sum(burst + settings.max_waiting_requests for burst in bursts.values())
     if limit != resource.RLIM_INFINITY and limit < admitted + OTHER_FILES:
-        per_route = " + ".join(f"/{task} {settings.route_limits(task)[0]} in progress and "
-                               f"{settings.max_waiting_requests} waiting" for task in tasks)  # fmt: skip
+        per_route = " + ".join(f"/{task} {burst} in progress and {settings.max_waiting_requests} waiting"
+                               for task, burst in bursts.items())  # fmt: skip
         log.warning(
             f"this process may open {limit} files (ulimit -n), fewer than the {admitted} connections its admission "
             f"limits let in ({per_route}: LINFORMER_[TRANSLATE_]MAX_CONCURRENT_REQUESTS, "

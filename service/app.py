@@ -70,7 +70,7 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
         "execution provider: %s (requested %s; onnxruntime %s offers %s)",
         providers[0], settings.execution_provider, ort.__version__, ort.get_available_providers(),
     )
-    for task, name in (("classify", settings.classify_model), ("translate", settings.translate_model)):
+    for task, name in settings.task_models.items():
         if not name:
             log.info("no %s model configured (LINFORMER_%s_MODEL is empty): /%s answers 503",
                      task, task.upper(), task)  # fmt: skip

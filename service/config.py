@@ -125,6 +125,11 @@ class Settings(BaseSettings):
                              f"LINFORMER_MAX_QUEUED_DECODE_TOKENS={self.max_queued_decode_tokens}")  # fmt: skip
         return self
 
+    @property
+    def task_models(self) -> dict[str, str]:
+        """Task -> the bundle configured for it ("" where the task is not configured)."""
+        return {"classify": self.classify_model, "translate": self.translate_model}
+
     def route_limits(self, task: str) -> tuple[int, int]:
         """A task route's ("classify", "translate") admission limits: requests in progress on it, normally (the
         burst limit) and while it sheds a flood."""
