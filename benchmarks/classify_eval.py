@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,7 @@ from loadtest.report import (  # noqa: E402
 )
 from service.bundle import load_bundle  # noqa: E402
 from service.runtime import ClassifierRuntime, make_session  # noqa: E402
-from service.tokenizer import Tokenizer  # noqa: E402
+from service.tokenizer import Encoded, Tokenizer  # noqa: E402
 from training.batching import bucketed_batches, pad  # noqa: E402
 from training.classify import read_split_with_source  # noqa: E402
 
@@ -43,13 +44,19 @@ BUCKETS = (("≤ 32 tokens", 0, 32), ("33–256 tokens", 33, 256), ("> 256 token
 SOURCES = ("imdb", "rotten_tomatoes")
 
 
-def bundle_predictions(bundle_dir: Path, texts: list[str], threads: int, max_tokens: int = 16384) -> np.ndarray:
-    """P(positive) per text, computed in length-sorted batches exactly as the service pads them."""
+Encode = Callable[[Tokenizer, list[str]], list[Encoded]]
+
+
+def bundle_predictions(bundle_dir: Path, texts: list[str], threads: int, max_tokens: int = 16384,
+                       encode: Encode | None = None) -> np.ndarray:  # fmt: skip
+    """P(positive) per text, encoded as /classify encodes them (or by `encode`) and computed in length-sorted batches
+    exactly as the service pads them."""
     bundle = load_bundle(bundle_dir)
     tokenizer = Tokenizer.from_bundle(bundle)
     runtime = ClassifierRuntime(make_session(bundle.onnx_path("model"), ["CPUExecutionProvider"],
                                              intra_op_threads=threads, inter_op_threads=1))  # fmt: skip
-    ids = [e.ids for e in tokenizer.encode_all(texts, truncate=True)]
+    encoded = encode(tokenizer, texts) if encode else tokenizer.encode_to_classify(texts, truncate=True)
+    ids = [e.ids for e in encoded]
     positive = bundle.labels.index("positive")
     scores = np.zeros(len(texts))
     for rows in bucketed_batches([len(i) for i in ids], max_tokens, max_batch=256):  # sorted by length

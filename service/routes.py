@@ -57,7 +57,7 @@ def _check_text_count(texts: list[str], limit: int) -> None:
 
 def _tokenise(model: ModelService, texts: list[str], truncate: bool):
     try:
-        return model.tokenizer.encode_all(texts, truncate=truncate, unknowns=False)  # (a classifier decodes nothing)
+        return model.tokenizer.encode_to_classify(texts, truncate=truncate)
     except TextTooLong as e:
         raise ServiceError(413, "text_too_long", str(e)) from None
 

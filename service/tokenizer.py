@@ -1,6 +1,6 @@
 """Text -> token ids exactly as the bundle was trained: SentencePiece, then BOS/EOS per config.json; target ids ->
-text, carrying the source's unknown pieces, web addresses and e-mail addresses over; and the sentence splitting
-/translate does before it encodes."""
+text, carrying the source's unknown pieces, web addresses and e-mail addresses over; text written all in capitals
+read in sentence case; and the sentence splitting /translate does before it encodes."""
 
 import itertools
 import re
@@ -130,6 +130,28 @@ def _protect_verbatim(text: str) -> tuple[str, tuple[str, ...], int]:
     return _VERBATIM.sub(lambda _: f"{{{next(numbers)}}}", text), spans, first
 
 
+# Text written all in capitals is read in sentence case: the models learnt from ordinarily cased text, and read
+# capitals as noise. 300 help sentences in capitals: BLEU 1.1 read as written, 27.8 in sentence case (29.7 as
+# written in ordinary case); 500 test reviews in capitals: 49 % accuracy, a coin toss, against 80.4 % (82 %);
+# benchmarks/results/shouted.md, the Linformer bundles.
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+# a sentence's first letter: the text's, or the first after . ! ? … (with closing quotes or brackets) and whitespace
+_SENTENCE_START = re.compile(r"""(?:^\s*|[.!?…]["'”’)\]]*\s+)["'“‘(\[]*[^\W\d_]""")
+
+
+def in_sentence_case(text: str) -> str | None:
+    """A text with no lower-case letter (and some upper-case one) in sentence case: lowered, then each sentence's
+    first letter raised; None for any other text, which is read as written. Its lower case leads back to it by
+    str.upper() (where some letter's would not, İ or ẞ, only its ASCII letters are lowered), so what /translate
+    carries over from it unread (what the vocabulary cannot spell) comes back as written."""
+    if not text.isupper():
+        return None
+    lowered = text.lower()
+    if lowered.upper() != text:
+        lowered = text.translate(_ASCII_LOWER)
+    return _SENTENCE_START.sub(lambda start: start[0][:-1] + start[0][-1].upper(), lowered)
+
+
 @dataclass(frozen=True)
 class Source:
     """One row of a translation request: a sentence of text `text` (or the whole text), encoded with placeholders
@@ -143,6 +165,7 @@ class Source:
     gap: str
     lead: str = ""
     braces: bool = False  # the sentence has a brace of its own (so a brace in its translation may be one)
+    shouted: bool = False  # written all in capitals, encoded in sentence case: translated, it comes back in capitals
 
 
 class Tokenizer:
@@ -183,6 +206,10 @@ class Tokenizer:
             encoded.append(Encoded(ids, truncated, behind))
         return encoded
 
+    def encode_to_classify(self, texts: list[str], *, truncate: bool) -> list[Encoded]:
+        """What /classify encodes: each text as written, or in sentence case if written all in capitals."""
+        return self.encode_all([in_sentence_case(text) or text for text in texts], truncate=truncate, unknowns=False)
+
     def _unknowns(self, text: str, n_pieces: int) -> tuple[str, ...]:
         """The source text behind each unknown piece among the first `n_pieces` (a second, rarer encode)."""
         pieces = self._sp.encode(text, return_type="proto").pieces[:n_pieces]
@@ -192,10 +219,11 @@ class Tokenizer:
     def translation_sources(self, texts: list[str], *, split: bool, truncate: bool,
                             max_rows: int | None = None) -> list[Source]:  # fmt: skip
         """/translate's rows: each text's sentences (the whole text unless `split`), its web and e-mail addresses and
-        each run of characters the vocabulary cannot spell replaced by a placeholder, encoded; the text's leading
-        and trailing whitespace kept for its translation. Raises TextTooLong naming the text, and TooManySentences
-        as soon as the rows pass `max_rows`, before they are encoded (a 1 MB text of 500,000 one-letter lines was
-        5 s of the event loop, split and encoded, before its decode budget refused it)."""
+        each run of characters the vocabulary cannot spell replaced by a placeholder, a sentence written all in
+        capitals in sentence case, encoded; the text's leading and trailing whitespace kept for its translation.
+        Raises TextTooLong naming the text, and TooManySentences as soon as the rows pass `max_rows`, before they
+        are encoded (a 1 MB text of 500,000 one-letter lines was 5 s of the event loop, split and encoded, before
+        its decode budget refused it)."""
         sources = []
         for t, text in enumerate(texts):
             body = text.strip()
@@ -208,17 +236,22 @@ class Tokenizer:
             parts[-1] = (parts[-1][0], parts[-1][1] + tail)
             for i, (sentence, gap) in enumerate(parts):
                 protected, spans, first = _protect_verbatim(sentence)
+                recased = in_sentence_case(protected)  # (after the addresses: they come back as written)
+                protected = recased or protected
                 try:
                     [encoded] = self.encode_all([protected], truncate=truncate, unknowns=False)
                     if self.unk_id in encoded.ids:  # placeholders for what the vocabulary cannot spell, encoded again
                         protected, unknown_spans, after = self._protect(protected)
+                        if recased is not None:  # as written (see in_sentence_case)
+                            unknown_spans = tuple(span.upper() for span in unknown_spans)
                         spans, first = spans + unknown_spans, first if spans else after
                         [encoded] = self.encode_all([protected], truncate=truncate)
                 except TextTooLong as e:
                     what = "text {index}" if len(parts) == 1 else "a sentence of text {index}"
                     raise TextTooLong(t, e.n_tokens, e.n_max, what) from None
                 sources.append(Source(t, encoded, spans, first, gap, lead if i == 0 else "",
-                                      braces="{" in sentence or "}" in sentence))  # fmt: skip
+                                      braces="{" in sentence or "}" in sentence,
+                                      shouted=recased is not None))  # fmt: skip
         return sources
 
     def translations(self, sources: list[Source], outputs: list[list[int]]) -> list[dict]:
@@ -227,6 +260,8 @@ class Tokenizer:
         texts: list[dict] = []
         for source, ids in zip(sources, outputs, strict=True):
             text = self.decode(list(ids), source.encoded.unknowns)
+            if source.shouted:  # (before the placeholders' spans go back in: they come back as written)
+                text = text.upper()
             placeholders = {f"{{{n}}}": span for n, span in enumerate(source.spans, source.first)}
             if placeholders and not source.braces:
                 text = _without_debris(text, placeholders)

@@ -41,6 +41,18 @@ async def test_classify_answers_each_text_in_order_with_probabilities(client):
         assert alone["tokens"] == result["tokens"]
 
 
+
+async def test_text_written_all_in_capitals_is_classified_in_sentence_case(client):
+    """A review in capitals was a coin toss (49 % of 500 test reviews right, 82 % in ordinary case): the models
+    learnt from ordinarily cased text. It is read in sentence case; any other text as written."""
+    shouted, cased = "A MOVING, BEAUTIFULLY ACTED FILM. I LOVED IT!", "A moving, beautifully acted film. I loved it!"
+    r = await client.post("/classify", json={"texts": [shouted, cased, "a MOVING film"]})
+    assert r.status_code == 200, r.text
+    loud, ordinary, mixed = r.json()["results"]
+    assert loud == ordinary
+    lowered = (await client.post("/classify", json={"text": "a moving film"})).json()["results"][0]
+    assert mixed["scores"] != lowered["scores"]  # one word in capitals is read as written
+
 async def test_token_count_includes_bos(client, models_dir):
     import sentencepiece as spm
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import make_settings, running_service
 
 from service.bundle import load_bundle
-from service.tokenizer import Tokenizer, _protect_verbatim, split_sentences
+from service.tokenizer import Tokenizer, _protect_verbatim, in_sentence_case, split_sentences
 
 pytestmark = pytest.mark.anyio
 
@@ -98,6 +98,40 @@ async def test_translate_puts_back_what_each_placeholder_stands_for():
     assert response.status_code == 200, response.text
     assert [t["text"] for t in response.json()["translations"]] == texts
 
+
+
+@pytest.mark.parametrize(
+    ("text", "read_as"),
+    [
+        ("THE FILE COULD NOT BE SAVED.", "The file could not be saved."),
+        ('CLICK OK. "SAVE" IT! (THEN) CLOSE? YES…  DONE', 'Click ok. "Save" it! (Then) close? Yes…  Done'),
+        ("  ÄRGER IM BÜRO. ÜBER ПРИВЕТ 🙂", "  Ärger im büro. Über привет 🙂"),
+        ("İSTANBUL IS BIG", "İstanbul is big"),  # İ's lower case is two characters: ASCII letters only
+        ("VISIT {1} NOW", "Visit {1} now"),
+        ("Save the file.", None), ("a FILE", None), ("123 - 45", None), ("🙂", None),
+    ],
+)
+def test_text_written_all_in_capitals_is_read_in_sentence_case(text, read_as):
+    assert in_sentence_case(text) == read_as
+    if read_as is not None:
+        assert read_as.upper() == text.upper()
+
+
+async def test_a_sentence_in_capitals_is_translated_in_sentence_case_and_answered_in_capitals():
+    """300 help sentences in capitals: BLEU 1.1 read as written, 27.8 in sentence case. The translation
+    of a sentence in capitals is that of its sentence case, in capitals; what the sentence carries over unread
+    (addresses, what the vocabulary cannot spell) comes back as written."""
+    async with running_service(make_settings(MODELS, classify_model="", translate_model=BUNDLE)) as client:
+        loud = await client.post("/translate", json={"text": "THE FILE COULD NOT BE SAVED.\nClose the window."})
+        cased = await client.post("/translate", json={"texts": ["The file could not be saved.", "Close the window."]})
+    assert loud.status_code == cased.status_code == 200
+    first, second = (t["text"] for t in cased.json()["translations"])
+    assert loud.json()["translations"][0]["text"] == f"{first.upper()}\n{second}"
+    texts = ["VISIT https://Example.org/Path NOW. WRITE TO Info@Example.org, ПРИВЕТ 🙂 ŁÓDŹ.", "SAVE IT"]
+    settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE)
+    async with running_service(settings, wrap_runtime=Echo) as client:
+        echoed = await client.post("/translate", json={"texts": texts})
+    assert [t["text"] for t in echoed.json()["translations"]] == texts
 
 def test_web_and_e_mail_addresses_become_placeholders_without_their_closing_punctuation():
     assert _protect_verbatim("Visit https://www.libreoffice.org/ or write to info@example.com.") == (

@@ -26,7 +26,7 @@ class BundleClassifier:
 
     def classify(self, texts: list[str]) -> list[dict]:
         """Texts -> one result per text, as the service answers them (truncating texts over n_max)."""
-        encoded = self.tokenizer.encode_all(texts, truncate=True)
+        encoded = self.tokenizer.encode_to_classify(texts, truncate=True)
         longest = max(len(e.ids) for e in encoded)
         ids = np.full((len(encoded), longest), self.bundle.pad_id, dtype=np.int64)
         mask = np.zeros_like(ids)
