@@ -41,7 +41,6 @@ async def test_classify_answers_each_text_in_order_with_probabilities(client):
         assert alone["tokens"] == result["tokens"]
 
 
-
 async def test_text_written_all_in_capitals_is_classified_in_sentence_case(client):
     """A review in capitals was a coin toss (49 % of 500 test reviews right, 82 % in ordinary case): the models
     learnt from ordinarily cased text. It is read in sentence case; any other text as written."""

@@ -99,7 +99,6 @@ async def test_translate_puts_back_what_each_placeholder_stands_for():
     assert [t["text"] for t in response.json()["translations"]] == texts
 
 
-
 @pytest.mark.parametrize(
     ("text", "read_as"),
     [
@@ -132,6 +131,14 @@ async def test_a_sentence_in_capitals_is_translated_in_sentence_case_and_answere
     async with running_service(settings, wrap_runtime=Echo) as client:
         echoed = await client.post("/translate", json={"texts": texts})
     assert [t["text"] for t in echoed.json()["translations"]] == texts
+
+
+def test_a_sentence_in_capitals_goes_to_the_model_in_sentence_case_with_its_placeholders(tokenizer):
+    [loud] = tokenizer.translation_sources(["VISIT https://Example.org NOW 🙂"], split=True, truncate=False)
+    [cased] = tokenizer.translation_sources(["Visit https://Example.org now 🙂"], split=True, truncate=False)
+    assert loud.encoded.ids == cased.encoded.ids and loud.spans == cased.spans == ("https://Example.org", "🙂")
+    assert loud.shouted and not cased.shouted
+
 
 def test_web_and_e_mail_addresses_become_placeholders_without_their_closing_punctuation():
     assert _protect_verbatim("Visit https://www.libreoffice.org/ or write to info@example.com.") == (
