@@ -32,7 +32,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.app import ServiceApp, create_app
 from service.bundle import BundleError
-from service.config import Settings, settings_errors, unknown_variables
+from service.config import PREFIX, ROUTE_LIMIT_SETTINGS, Settings, settings_errors, unknown_variables
 from service.middleware import ADMISSION_SCOPE_KEY, MAX_HEAD_BYTES, Admission, RequestContextMiddleware
 
 log = logging.getLogger("service")
@@ -281,14 +281,14 @@ def check_open_files(settings: Settings) -> None:
     bursts = {task: settings.route_limits(task)[0] for task, model in settings.task_models.items() if model}
     admitted = sum(burst + settings.max_waiting_requests for burst in bursts.values())
     if limit != resource.RLIM_INFINITY and limit < admitted + OTHER_FILES:
-        per_route = " + ".join(f"/{task} {burst} in progress and {settings.max_waiting_requests} waiting"
-                               for task, burst in bursts.items())  # fmt: skip
+        waiting = settings.max_waiting_requests
+        per_route = " + ".join(f"/{task} {burst} in progress ({PREFIX}{ROUTE_LIMIT_SETTINGS[task][0].upper()}) "
+                               f"and {waiting} waiting" for task, burst in bursts.items())  # fmt: skip
         log.warning(
             f"this process may open {limit} files (ulimit -n), fewer than the {admitted} connections its admission "
-            f"limits let in ({per_route}: LINFORMER_[TRANSLATE_]MAX_CONCURRENT_REQUESTS, "
-            f"LINFORMER_MAX_WAITING_REQUESTS) and {OTHER_FILES} of its own: connections over the limit are closed "
-            "unanswered. Raise the hard limit (ulimit -Hn, systemd LimitNOFILE=, docker run --ulimit nofile=) or lower "
-            "the waiting room"
+            f"limits let in ({per_route}, {PREFIX}MAX_WAITING_REQUESTS) and {OTHER_FILES} of its own: connections over "
+            "the limit are closed unanswered. Raise the hard limit (ulimit -Hn, systemd LimitNOFILE=, docker run "
+            "--ulimit nofile=) or lower the waiting room"
         )
 
 

@@ -132,10 +132,9 @@ class Settings(BaseSettings):
 
     def route_limits(self, task: str) -> tuple[int, int]:
         """A task route's ("classify", "translate") admission limits: requests in progress on it, normally (the
-        burst limit) and while it sheds a flood."""
-        if task == "translate":
-            return self.translate_max_concurrent_requests, self.translate_shed_concurrent_requests
-        return self.max_concurrent_requests, self.shed_concurrent_requests
+        burst limit) and while it sheds a flood (the settings ROUTE_LIMIT_SETTINGS names)."""
+        burst, shed = ROUTE_LIMIT_SETTINGS[task]
+        return getattr(self, burst), getattr(self, shed)
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -144,6 +143,11 @@ class Settings(BaseSettings):
 
 
 PREFIX = Settings.model_config["env_prefix"]  # LINFORMER_
+# each task route's admission settings (Settings.route_limits): its burst limit and its limit while it sheds a flood
+ROUTE_LIMIT_SETTINGS = {
+    "classify": ("max_concurrent_requests", "shed_concurrent_requests"),
+    "translate": ("translate_max_concurrent_requests", "translate_shed_concurrent_requests"),
+}
 # LINFORMER_* variables that are not the server's: compose.yaml's replica count
 NOT_SERVER_SETTINGS = frozenset({f"{PREFIX}REPLICAS"})
 
