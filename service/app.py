@@ -121,7 +121,9 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
             max_batch_size_by_length=None if settings.max_batch_tokens else bundle.max_batch_size_by_length,
         )
         if task == "translate" and settings.translate_scheduling == "step":  # sources join and leave between steps
-            batcher = StepBatcher(runner.live(), short_first=settings.translate_step_short_first, **batching)
+            # short first steps the narrow width classes alone; the throughput policy steps every row in one call
+            short_first = settings.translate_step_short_first
+            batcher = StepBatcher(runner.live(width_classes=short_first), short_first=short_first, **batching)
         else:
             cut_in_ratio = settings.translate_cut_in_ratio if task == "translate" else 0
             batcher = Batcher(run_batch, cut_in_ratio=cut_in_ratio, **batching)

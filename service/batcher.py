@@ -604,7 +604,8 @@ class StepBatcher(Batcher):
     leave together. When nothing is live, the oldest queued source may wait `max_wait_s` for companions, as in
     Batcher. A runtime error fails the sources it hit (BatchFailed), not the others. A step advances every live
     row of the classes served, one decoder call per width class, whatever the rows' target lengths (the
-    runtime's cache keeps one length per row).
+    runtime's cache keeps one length per row); the service gives the throughput policy a `live` without width
+    classes (one class: one call per step) and short-first one with them (service/app.py).
     """
 
     def __init__(self, live: LiveDecoding, short_first: bool = False, **batcher_settings: Any):

@@ -42,13 +42,15 @@ class Settings(BaseSettings):
     # How /translate schedules decoding (policy in service/batcher.py). "step": continuous batching, new
     # sources join the decode loop between decoder steps and finished ones answer at once; "request": a batch
     # of whole requests decodes until its last sentence ends while later arrivals wait or cut in (the behaviour before
-    # step-level batching). "request" stays the default: on the 2-core VM step scheduling cut short requests' p99
-    # at 4 and 16 users but got 0.88x of request-level throughput at 16 (benchmarks/results/translate-load-stepthru.md).
+    # step-level batching). "request" stays the default: on the 2-core VM step scheduling got 0.79-0.88x of its
+    # throughput at 16 users until it stepped every live row in one decoder call (twenty-first session: 1.31x, with a
+    # shorter p99, in one served run; benchmarks/results/step-ceiling-session21/), and issue #12's flood and drain
+    # goals were measured on "request".
     translate_scheduling: Literal["step", "request"] = "request"
-    # Step scheduling only: short sources first (trips serve the narrowest width class alone, the wider ones keep a
-    # bounded share; service/batcher.py WIDE_SHARE). Off: every trip steps every live source, the throughput policy.
-    # On, short requests' p99 at 16 users was ~2.2-2.6x their 1-user p99 at 0.60-0.67x request-level's tokens/s;
-    # off, see README (Step-level batching).
+    # Step scheduling only: short sources first (live rows grouped by width class, trips serve the narrowest class
+    # alone, the wider ones keep a bounded share; service/batcher.py WIDE_SHARE). Off: every trip steps every live
+    # source, all in one decoder call per step, the throughput policy. On, short requests' p99 at 16 users was
+    # ~2.2-2.6x their 1-user p99 at 0.60-0.67x request-level's tokens/s; off, see README (Step-level batching).
     translate_step_short_first: bool = False
     # Request scheduling only: a queued batch whose longest source is at most 1/ratio of the decoding batch's longest
     # runs whole between two of its steps (a cut-in, service/batcher.py), so short requests do not wait for long

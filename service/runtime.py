@@ -196,8 +196,8 @@ class TranslatorRuntime:
     def provider(self) -> str:
         return self.decoder.get_providers()[0]
 
-    def live(self) -> "LiveDecode":
-        return LiveDecode(self)
+    def live(self, width_classes: bool = True) -> "LiveDecode":
+        return LiveDecode(self, width_classes)
 
     def run(
         self, input_ids: np.ndarray, attention_mask: np.ndarray, options,
@@ -514,17 +514,22 @@ class LiveDecode:
     chooses. Mechanics only: who joins, when, and which width classes step is the caller's policy. Not thread-safe:
     one thread drives it.
 
-    Live rows are grouped by source width into cohorts (sources of up to 64, 128, 256, ... tokens), one decoder
-    call per cohort per step, each call's cross keys padded to its own longest source only. One call for every
-    row would pad every row's cross-attention to the longest live source: under mixed lengths there is nearly
-    always a 256-token source live, and 16 rows at cross width 256 took 1.59 ms a step against 0.50 ms at 32
-    (issue #17's profile, README). Within a cohort, rows of any target length share the call (_DecodeBuffers).
+    Live rows decode in cohorts, one decoder call per cohort per step, each call's cross keys padded to its own
+    longest source; within a cohort, rows of any target length share the call (_DecodeBuffers). With
+    `width_classes`, rows are grouped by source width (sources of up to 64, 128, 256, ... tokens), so a short source
+    does not pay for a long one's cross-attention: what `run` (request-level batches) and short-first step
+    scheduling use, the latter to step short sources without the long ones. Without, every live row is in one
+    cohort: step-level batching's throughput policy. Under the load's mix (8-256 tokens) the long sources make up
+    most of the live rows (they live longest), so the narrow classes' calls carried 1-2 rows each, at nearly the
+    fixed cost of a call (~0.5 ms on the 2-core VM), and stepping every row in one call made 1.6-1.8x as many
+    tokens/s at full occupancy (benchmarks/step_ceiling.py, benchmarks/results/step-ceiling-session21/).
     """
 
-    def __init__(self, runtime: TranslatorRuntime):
+    def __init__(self, runtime: TranslatorRuntime, width_classes: bool = True):
         """When the last source leaves after buffers of BIG_DECODE_BYTES or more, freed heap pages go back to the
         OS, so a burst does not leave the process at its peak (one batch of `run`, or a long-lived decode loop)."""
         self.runtime = runtime
+        self.width_classes = width_classes
         self.cohorts: dict[int, _Cohort] = {}  # width class -> its rows, narrowest first
         self.peak_bytes = 0  # the largest buffers held since the last trim
 
@@ -534,12 +539,10 @@ class LiveDecode:
         beam_size, _ = options
         return beam_size
 
-    @staticmethod
-    def width_class(source_length: int) -> int:
-        """The cohort a source of this many tokens decodes in: the next power of two, at least 64. Below 64 a step's
-        time hardly depends on the width, and each cohort costs a decoder call of its own (~0.15 ms at one row):
-        classes from 32 made 4 cohorts under the mixed load and were no faster than 3 from 64."""
-        return max(64, 1 << max(0, source_length - 1).bit_length())
+    def width_class(self, source_length: int) -> int:
+        """The cohort a source of this many tokens decodes in: `width_class` of it, or 0 (the one cohort) without
+        width classes."""
+        return width_class(source_length) if self.width_classes else 0
 
     @property
     def rows(self) -> int:
@@ -611,6 +614,13 @@ class LiveDecode:
         if not self.cohorts and self.peak_bytes >= BIG_DECODE_BYTES:
             _return_freed_memory()
             self.peak_bytes = 0
+
+
+def width_class(source_length: int) -> int:
+    """A source's width class (LiveDecode with width classes): the next power of two, at least 64. Below 64 a step's
+    time hardly depends on the width, and each cohort costs a decoder call of its own (~0.15 ms at one row): classes
+    from 32 made 4 cohorts under the mixed load and were no faster than 3 from 64."""
+    return max(64, 1 << max(0, source_length - 1).bit_length())
 
 
 def _round_memory(memory: int) -> int:

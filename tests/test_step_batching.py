@@ -18,7 +18,7 @@ from conftest import make_settings, running_service
 from service.app import make_runtime
 from service.batcher import WIDE_SHARE, BatchFailed, DeadlineExceeded, ShuttingDown, StepBatcher
 from service.bundle import load_bundle
-from service.runtime import LiveDecode
+from service.runtime import LiveDecode, width_class
 from service.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -37,13 +37,15 @@ class RecordingLive(LiveDecode):
     """LiveDecode that notes, before each trip of steps, the most distinct target lengths in one of its decoder
     calls and the sources live (and may slow each step down)."""
 
-    def __init__(self, runtime, step_delay_s: float = 0.0):
-        super().__init__(runtime)
+    def __init__(self, runtime, width_classes: bool = False, step_delay_s: float = 0.0):
+        super().__init__(runtime, width_classes)
         self.step_delay_s = step_delay_s
         self.steps: list[tuple[int, set]] = []  # (distinct lengths, keys) before each step
+        self.most_cohorts = 0  # the most cohorts (decoder calls per step) live at once
 
     def step(self, steps=1, widths=None, budget_s=None):
         distinct = [len(set(c.buffers.lengths[: c.rows].tolist())) for c in self.cohorts.values() if c.buffers]
+        self.most_cohorts = max(self.most_cohorts, len(self.cohorts))
         self.steps.append((max(distinct, default=0), {search.key for search in self.searches}))
         time.sleep(self.step_delay_s * steps)
         return super().step(steps, widths, budget_s)
@@ -56,8 +58,8 @@ class Recorded:
         self.runtime, self.step_delay_s = runtime, step_delay_s
         self.lives: list[RecordingLive] = []
 
-    def live(self) -> RecordingLive:
-        self.lives.append(RecordingLive(self.runtime, self.step_delay_s))
+    def live(self, width_classes: bool = True) -> RecordingLive:
+        self.lives.append(RecordingLive(self.runtime, width_classes, self.step_delay_s))
         return self.lives[-1]
 
     def run(self, *args):
@@ -118,6 +120,8 @@ async def test_greedy_under_staggered_concurrent_arrivals_equals_decoding_each_a
         assert response.json()["translations"][0] == {"text": tokenizer.decode(tokens), "tokens": len(tokens)}
     live = wrappers[0].lives[0]
     assert max(lengths for lengths, _ in live.steps) >= 2, "sources should have joined while others were decoding"
+    # the throughput policy: sources of every width (128 tokens and a few words here) step in one decoder call
+    assert not live.width_classes and live.most_cohorts == 1
 
     # the first request (128 tokens, a long output) was still decoding when later, shorter ones were answered
     first_done = answered[0][0]
@@ -144,8 +148,8 @@ def test_rows_of_different_lengths_share_one_decoder_call_per_width_class_and_de
     _, tokenizer, runtime = translator("translate-linformer")
     texts = [LOAD_TEXTS["128"][0], LOAD_TEXTS["128"][1], SHORT_TEXTS[2]]
     ids = [source_ids(tokenizer, t) for t in texts]
-    wide, narrow = LiveDecode.width_class(len(ids[0])), LiveDecode.width_class(len(ids[2]))
-    assert LiveDecode.width_class(len(ids[1])) == wide != narrow
+    wide, narrow = width_class(len(ids[0])), width_class(len(ids[2]))
+    assert width_class(len(ids[1])) == wide != narrow
     live = runtime.live()
     calls = []
     run_with_iobinding = runtime.decoder.run_with_iobinding
@@ -172,6 +176,38 @@ def test_rows_of_different_lengths_share_one_decoder_call_per_width_class_and_de
     assert outputs == {key: alone(runtime, tokenizer, text, beam_size)
                        for key, text in zip(("old", "new", "newer"), texts, strict=True)}  # fmt: skip
     assert not live.cohorts  # nothing held once nobody is live
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_without_width_classes_every_live_row_steps_in_one_decoder_call_and_decodes_as_alone(beam_size):
+    """Step-level batching's throughput policy: a long source and two short ones (two width classes apart) that join
+    three steps later share one cohort and one decoder call per step, and each decodes as it would alone."""
+    from service.batcher import pad
+
+    _, tokenizer, runtime = translator("translate-linformer")
+    texts = [LOAD_TEXTS["128"][0], SHORT_TEXTS[2], SHORT_TEXTS[0]]
+    ids = [source_ids(tokenizer, t) for t in texts]
+    assert width_class(len(ids[0])) != width_class(len(ids[1])) == width_class(len(ids[2]))
+    live = runtime.live(width_classes=False)
+    live.admit(*pad(ids[:1], 0), [("long", (beam_size, 256))])
+    for _ in range(3):
+        live.step()
+    live.admit(*pad(ids[1:], 0), [("short", (beam_size, 256)), ("shorter", (beam_size, 256))])
+    assert list(live.cohorts) == [0] and live.cohorts[0].rows == 3 * beam_size
+    calls, steps, outputs = [], 0, {}
+    run_with_iobinding = runtime.decoder.run_with_iobinding
+    try:
+        runtime.decoder.run_with_iobinding = lambda binding: calls.append(binding) or run_with_iobinding(binding)
+        while live.rows:
+            finished, failed = live.step()
+            steps += 1
+            assert not failed
+            outputs.update(finished)
+    finally:
+        del runtime.decoder.run_with_iobinding
+    assert len(calls) == steps
+    assert outputs == {key: alone(runtime, tokenizer, text, beam_size)
+                       for key, text in zip(("long", "short", "shorter"), texts, strict=True)}  # fmt: skip
 
 
 @pytest.mark.parametrize("beam_size", [1, 3])
@@ -207,7 +243,7 @@ def test_a_step_can_serve_chosen_width_classes_within_a_time_budget():
     _, tokenizer, runtime = translator("translate-linformer")
     texts = [LOAD_TEXTS["128"][0], SHORT_TEXTS[2]]
     ids = [source_ids(tokenizer, t) for t in texts]
-    wide, narrow = (LiveDecode.width_class(len(x)) for x in ids)
+    wide, narrow = (width_class(len(x)) for x in ids)
     live = runtime.live()
     live.admit(*pad(ids, 0), [("long", (1, 256)), ("short", (1, 256))])
     assert live.widths == [narrow, wide]
@@ -255,7 +291,7 @@ class SimulatedLive:
 
     @staticmethod
     def width_class(source_length):
-        return LiveDecode.width_class(source_length)
+        return width_class(source_length)
 
     def admit(self, input_ids, attention_mask, sources):
         for row, (key, (_beam, steps)) in enumerate(sources):
@@ -342,7 +378,7 @@ async def test_a_short_source_arriving_while_long_ones_decode_is_answered_first_
     _, tokenizer, runtime = translator("translate-transformer")
     long_texts, short_text = [LOAD_TEXTS["128"][0], LOAD_TEXTS["128"][1]], LOAD_TEXTS["32"][2]
     ids = [source_ids(tokenizer, t) for t in (*long_texts, short_text)]
-    live = RecordingLive(runtime, step_delay_s=0.001)
+    live = RecordingLive(runtime, width_classes=True, step_delay_s=0.001)
     batcher = make_step_batcher(live, short_first=True)
     batcher.start()
     done: dict[str, float] = {}
