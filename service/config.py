@@ -42,11 +42,11 @@ class Settings(BaseSettings):
     # How /translate schedules decoding (policy in service/batcher.py). "step": continuous batching, new
     # sources join the decode loop between decoder steps and finished ones answer at once; "request": a batch
     # of whole requests decodes until its last sentence ends while later arrivals wait or cut in (the behaviour before
-    # step-level batching). "request" stays the default: on the 2-core VM step scheduling got 0.79-0.88x of its
-    # throughput at 16 users until it stepped every live row in one decoder call (twenty-first session: 1.31x, with a
-    # shorter p99, in one served run; benchmarks/results/step-ceiling-session21/), and issue #12's flood and drain
-    # goals were measured on "request".
-    translate_scheduling: Literal["step", "request"] = "request"
+    # step-level batching, the default until the twenty-first session). "step" is the default since it steps every
+    # live row in one decoder call: on the 2-core VM, level with "request" at 1 user, 1.31-1.57x its tokens/s at 4 and
+    # 16 users with a shorter p99 of all requests, and /translate's flood goals met (README, Step-level batching;
+    # benchmarks/results/step-ceiling-session21/). Before, it made 0.79-0.88x of "request"'s tokens/s at 16 users.
+    translate_scheduling: Literal["step", "request"] = "step"
     # Step scheduling only: short sources first (live rows grouped by width class, trips serve the narrowest class
     # alone, the wider ones keep a bounded share; service/batcher.py WIDE_SHARE). Off: every trip steps every live
     # source, all in one decoder call per step, the throughput policy. On, short requests' p99 at 16 users was

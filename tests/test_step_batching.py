@@ -574,6 +574,8 @@ def test_sigterm_finishes_the_sources_being_decoded_then_exits_zero():
 def test_the_scheduling_setting_reads_step_or_request_from_the_environment(monkeypatch):
     from service.config import Settings
 
+    monkeypatch.delenv("LINFORMER_TRANSLATE_SCHEDULING", raising=False)
+    assert Settings(_env_file=None).translate_scheduling == "step"  # the default since the twenty-first session
     monkeypatch.setenv("LINFORMER_TRANSLATE_SCHEDULING", "request")
     assert Settings(_env_file=None).translate_scheduling == "request"
     assert not Settings(_env_file=None).translate_step_short_first
@@ -614,7 +616,8 @@ async def test_under_request_scheduling_short_requests_cut_into_a_long_batch_and
     payloads = [{"text": LOAD_TEXTS["128"][0]}, *({"text": t, **o} for t, o in zip(SHORT_TEXTS, shorts, strict=True))]
     expected = [alone(runtime, tokenizer, p["text"], p.get("beam_size", 1), p.get("max_new_tokens", 256))
                 for p in payloads]  # fmt: skip
-    settings = make_settings(MODELS, classify_model="", translate_model=model, translate_cut_in_ratio=cut_in_ratio)
+    settings = make_settings(MODELS, classify_model="", translate_model=model, translate_scheduling="request",
+                             translate_cut_in_ratio=cut_in_ratio)  # fmt: skip
     async with running_service(settings) as client:
         answered = await staggered(client, payloads, gap_s=0.01)
         metrics = (await client.get("/metrics")).text

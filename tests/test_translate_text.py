@@ -80,7 +80,8 @@ def test_placeholder_debris_is_dropped_from_a_translation_unless_the_source_had_
 
 class Echo:
     """wrap_runtime: every row's "translation" is its own source (EOS dropped): what comes back is what the service
-    made of the text on the way in and out (sentences, placeholders, unknown pieces, spacing)."""
+    made of the text on the way in and out (sentences, placeholders, unknown pieces, spacing). It answers whole
+    batches (`run`), so the service runs it under request scheduling (ECHO_SETTINGS)."""
 
     def __init__(self, runtime):
         self.runtime = runtime
@@ -89,10 +90,13 @@ class Echo:
         return [row[: int(mask.sum()) - 1].tolist() for row, mask in zip(input_ids, attention_mask, strict=True)]
 
 
+ECHO_SETTINGS = {"translate_scheduling": "request"}
+
+
 async def test_translate_puts_back_what_each_placeholder_stands_for():
     texts = ["Click 🎉 and then 😀 to finish.", "Use {1} for 李明.\n\nThen press 💾.", "Contact ŁÓDŹ now.",
              "No unknowns."]
-    settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE)
+    settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE, **ECHO_SETTINGS)
     async with running_service(settings, wrap_runtime=Echo) as client:
         response = await client.post("/translate", json={"texts": texts})
     assert response.status_code == 200, response.text
@@ -127,7 +131,7 @@ async def test_a_sentence_in_capitals_is_translated_in_sentence_case_and_answere
     first, second = (t["text"] for t in cased.json()["translations"])
     assert loud.json()["translations"][0]["text"] == f"{first.upper()}\n{second}"
     texts = ["VISIT https://Example.org/Path NOW. WRITE TO Info@Example.org, ПРИВЕТ 🙂 ŁÓDŹ.", "SAVE IT"]
-    settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE)
+    settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE, **ECHO_SETTINGS)
     async with running_service(settings, wrap_runtime=Echo) as client:
         echoed = await client.post("/translate", json={"texts": texts})
     assert [t["text"] for t in echoed.json()["translations"]] == texts
@@ -179,7 +183,7 @@ async def test_translate_gives_back_addresses_and_the_texts_own_spacing_as_they_
              "Mail 李明 at li@example.cn, see www.example.com/a?b=1.  ", "\tNo addresses.\r\n\r\n",
              "Fill in {2} at https://example.org/{1}/{3} or {1}.",  # the text's own {n}, one inside an address
              "See {" + "9" * 20 + "} and {1234567890} at www.example.org 😀."]  # {n} too long to be ours
-    settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE)
+    settings = make_settings(MODELS, classify_model="", translate_model=BUNDLE, **ECHO_SETTINGS)
     async with running_service(settings, wrap_runtime=Echo) as client:
         response = await client.post("/translate", json={"texts": texts})
         whole = await client.post("/translate", json={"texts": texts, "split_sentences": False})
