@@ -43,8 +43,9 @@ class Settings(BaseSettings):
     # sources join the decode loop between decoder steps and finished ones answer at once; "request": a batch
     # of whole requests decodes until its last sentence ends while later arrivals wait or cut in (the behaviour before
     # step-level batching, the default until the twenty-first session). "step" is the default since it steps every
-    # live row in one decoder call: on the 2-core VM, level with "request" at 1 user, 1.31-1.57x its tokens/s at 4 and
-    # 16 users with a shorter p99 of all requests, and /translate's flood goals met (README, Step-level batching;
+    # live row in one decoder call: on the 2-core VM, level with "request" at 1 user, 1.14-1.57x its tokens/s at 4 and
+    # 16 users with a shorter p99 of all requests (but, at 16 users on the Linformer translator, a longer p99 for short
+    # requests: short-first is for those), and /translate's flood goals met (README, Step-level batching;
     # benchmarks/results/step-ceiling-session21/). Before, it made 0.79-0.88x of "request"'s tokens/s at 16 users.
     translate_scheduling: Literal["step", "request"] = "step"
     # Step scheduling only: short sources first (live rows grouped by width class, trips serve the narrowest class
