@@ -32,7 +32,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.app import ServiceApp, create_app
 from service.bundle import BundleError
-from service.config import PREFIX, ROUTE_LIMIT_SETTINGS, Settings, settings_errors, unknown_variables
+from service.config import ROUTE_LIMIT_SETTINGS, Settings, settings_errors, unknown_variables, variable
 from service.middleware import ADMISSION_SCOPE_KEY, MAX_HEAD_BYTES, Admission, RequestContextMiddleware
 
 log = logging.getLogger("service")
@@ -282,13 +282,13 @@ def check_open_files(settings: Settings) -> None:
     admitted = sum(burst + settings.max_waiting_requests for burst in bursts.values())
     if limit != resource.RLIM_INFINITY and limit < admitted + OTHER_FILES:
         waiting = settings.max_waiting_requests
-        per_route = " + ".join(f"/{task} {burst} in progress ({PREFIX}{ROUTE_LIMIT_SETTINGS[task][0].upper()}) "
+        per_route = " + ".join(f"/{task} {burst} in progress ({variable(ROUTE_LIMIT_SETTINGS[task][0])}) "
                                f"and {waiting} waiting" for task, burst in bursts.items())  # fmt: skip
         log.warning(
             f"this process may open {limit} files (ulimit -n), fewer than the {admitted} connections its admission "
-            f"limits let in ({per_route}, {PREFIX}MAX_WAITING_REQUESTS) and {OTHER_FILES} of its own: connections over "
-            "the limit are closed unanswered. Raise the hard limit (ulimit -Hn, systemd LimitNOFILE=, docker run "
-            "--ulimit nofile=) or lower the waiting room"
+            f"limits let in ({per_route}, {variable('max_waiting_requests')}) and {OTHER_FILES} of its own: "
+            "connections over the limit are closed unanswered. Raise the hard limit (ulimit -Hn, systemd "
+            "LimitNOFILE=, docker run --ulimit nofile=) or lower the waiting room"
         )
 
 

@@ -151,6 +151,13 @@ ROUTE_LIMIT_SETTINGS = {
     "classify": ("max_concurrent_requests", "shed_concurrent_requests"),
     "translate": ("translate_max_concurrent_requests", "translate_shed_concurrent_requests"),
 }
+
+
+def variable(field: str) -> str:
+    """The environment variable that sets this field of Settings: LINFORMER_<FIELD>."""
+    return f"{PREFIX}{field.upper()}"
+
+
 # LINFORMER_* variables that are not the server's: compose.yaml's replica count
 NOT_SERVER_SETTINGS = frozenset({f"{PREFIX}REPLICAS"})
 
@@ -180,6 +187,6 @@ def settings_errors(error: ValidationError, options: Mapping[str, object]) -> li
             lines.append(message)
             continue
         field = str(problem["loc"][0])
-        given = f"--{field.replace('_', '-')}" if field in options else f"{PREFIX}{field.upper()}"
+        given = f"--{field.replace('_', '-')}" if field in options else variable(field)
         lines.append(f"{given}={problem['input']!r}: {message}")
     return lines

@@ -20,7 +20,7 @@ from http import HTTPStatus
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.config import PREFIX, ROUTE_LIMIT_SETTINGS
+from service.config import ROUTE_LIMIT_SETTINGS, variable
 from service.deps import ServiceState
 from service.errors import CLIENT_CLOSED_REQUEST, error_body
 
@@ -472,12 +472,12 @@ class RequestContextMiddleware:
 
     def _at_capacity(self, task: str, shedding: bool) -> str:
         admission = self.admission[task]
-        burst, shed = (f"{PREFIX}{name.upper()}" for name in ROUTE_LIMIT_SETTINGS[task.removeprefix("/")])
+        burst, shed = map(variable, ROUTE_LIMIT_SETTINGS[task.removeprefix("/")])
         if shedding:
             return (f"{task} is shedding load ({admission.shed_limit} requests in progress while flooded, {shed}); "
                     "retry after the time in Retry-After")  # fmt: skip
         return (f"{task} is at capacity ({admission.burst_limit} requests in progress and {admission.max_waiting} "
-                f"waiting, {burst} and {PREFIX}MAX_WAITING_REQUESTS); retry after the time in Retry-After")
+                f"waiting, {burst} and {variable('max_waiting_requests')}); retry after the time in Retry-After")
 
     @staticmethod
     async def _send_error(

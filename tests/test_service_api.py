@@ -52,6 +52,7 @@ async def test_text_written_all_in_capitals_is_classified_in_sentence_case(clien
     lowered = (await client.post("/classify", json={"text": "a moving film"})).json()["results"][0]
     assert mixed["scores"] != lowered["scores"]  # one word in capitals is read as written
 
+
 async def test_token_count_includes_bos(client, models_dir):
     import sentencepiece as spm
 
