@@ -1,19 +1,26 @@
-"""One decoder step, torch form vs step form: time per call, graph size and where the time goes (a benchmark).
+"""One decoder step, an earlier form vs the step form: time per call, graph size and where the time goes (a benchmark).
 
-- torch form: decoder.onnx as torch.onnx.export writes it (the bundles before the step form; take it from git
-  history, see below), fed the whole cache as numpy arrays and returning the grown cache (`present`), as the
-  runtime called it before;
+- the reference (`--reference`, taken from git history, see below), either
+  - the torch form: decoder.onnx as torch.onnx.export writes it (the bundles before the step form), fed the whole
+    cache as numpy arrays and returning the grown cache (`present`), as the runtime called it before; or
+  - the earlier step form: the step form whose cross-attention was MultiHeadAttention over a cross_mask, every row
+    computed over the widest source (the bundles before the twenty-second session);
 - step form: the bundle's decoder.onnx now (export/step_decoder.py), with its cache buffers and every input and
   output bound once (IO binding, as service/runtime.py's LiveDecode binds them); a call is run_with_iobinding.
 
 For each batch (rows) and cache length (target tokens already decoded, the same for every row) the two take turns
-call by call, `--calls` calls each, median of `--rounds` rounds. The source (cross keys) is --memory positions.
+call by call, `--calls` calls each, median of `--rounds` rounds. The source (cross keys) is --memory positions for
+every row, or with `--spread` the rows' sources spread evenly from 16 to --memory positions (the rest of each row
+padding, masked), as a mixed load's live rows are.
 Also: the node count after ONNX Runtime's optimiser (ORT_ENABLE_ALL) of each graph, the fixed cost of a
 session.run on a one-node graph, and for the step form ORT's profiler split of one call by operator (profiling
 slows every node down, so the split is a share, not a time). Writes CSV + Markdown + PNG.
 
     git show 0cd131b:models/translate-transformer/decoder.onnx > .cache/torch-form-decoder.onnx
-    .venv/bin/python -m benchmarks.decode_bench --torch-form .cache/torch-form-decoder.onnx
+    .venv/bin/python -m benchmarks.decode_bench --reference .cache/torch-form-decoder.onnx
+    git show 32ac18c:models/translate-linformer/decoder.onnx > .cache/earlier-step-decoder.onnx
+    .venv/bin/python -m benchmarks.decode_bench --bundle models/translate-linformer \
+        --reference .cache/earlier-step-decoder.onnx --memory 256 --spread --out benchmarks/results/decode-cross
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from onnx import TensorProto, helper
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from export.step_decoder import bind_cross, decoder_form  # noqa: E402
 from loadtest.report import (  # noqa: E402
     agg_subplots,
     header,
@@ -60,17 +68,21 @@ def session(path: Path, *, profile: bool = False, optimized: Path | None = None)
 class Calls:
     """One decoder call, ready to repeat, for `rows` rows with `cached` tokens decoded."""
 
-    def __init__(self, decoder: ort.InferenceSession, config: dict, rows: int, cached: int, memory: int, step: bool):
+    def __init__(self, decoder: ort.InferenceSession, config: dict, rows: int, cached: int, memory: int, step: bool,
+                 spread: bool = False):  # fmt: skip
         rng = np.random.default_rng(0)
         layers, heads, head_dim = config["n_decoder_layers"], config["n_heads"], config["head_dim"]
         names = [f"{{}}_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
         cross = {n.format("cross"): rng.standard_normal((rows, heads, memory, head_dim), np.float32) for n in names}
-        cross["cross_mask"] = np.ones((rows, memory), bool)
+        cross_mask = np.ones((rows, memory), bool)
+        if spread:  # row r's source: the first lengths[r] positions
+            lengths = np.linspace(min(16, memory), memory, rows).round().astype(int) if rows > 1 else [memory]
+            cross_mask = np.arange(memory)[None, :] < np.array(lengths)[:, None]
         tokens = np.full((rows, 1), 5, np.int64)
         self.decoder = decoder
         if not step:
             past = {n.format("past"): rng.standard_normal((rows, heads, cached, head_dim), np.float32) for n in names}
-            self.feeds = {"input_ids": tokens, **cross, **past}
+            self.feeds = {"input_ids": tokens, **cross, "cross_mask": cross_mask, **past}
             self.outputs = ["logits", *[n.format("present") for n in names]]
             self.call = lambda: decoder.run(self.outputs, self.feeds)
             return
@@ -86,9 +98,7 @@ class Calls:
         for name, array in zip(("input_ids", "past_lengths", "total_length"), self.keep, strict=False):
             bind(name, array)
         bind("logits", self.keep[3], output=True)
-        for name, array in cross.items():
-            self.keep.append(array)
-            bind(name, array)
+        self.keep += bind_cross(decoder, binding, cross, cross_mask)
         for name, cache in zip(names, self.keep[4:], strict=False):
             bind(name.format("past"), cache)
             bind(name.format("present"), cache, output=True)
@@ -133,9 +143,10 @@ def run_overhead_us(n: int = 5000) -> float:
     return 1e6 * (time.perf_counter() - started) / n
 
 
-def operator_split(path: Path, config: dict, rows: int, cached: int, memory: int, n: int = 300) -> list[dict]:
+def operator_split(path: Path, config: dict, rows: int, cached: int, memory: int, spread: bool,
+                   n: int = 300) -> list[dict]:  # fmt: skip
     decoder = session(path, profile=True)  # writes its trace in the working directory; removed below
-    calls = Calls(decoder, config, rows, cached, memory, step=True)
+    calls = Calls(decoder, config, rows, cached, memory, step=True, spread=spread)
     for _ in range(n):
         calls.call()
     trace_file = Path(decoder.end_profiling())
@@ -149,11 +160,15 @@ def operator_split(path: Path, config: dict, rows: int, cached: int, memory: int
     return [{"operator": op, "share_of_kernel_time": f"{100 * t / total:.1f} %"} for op, t in by_op.most_common()]
 
 
-def plot(rows: list[dict], path: Path) -> None:
+REFERENCE_LABELS = {"torch": "torch form (whole cache in and out)",
+                    "earlier step": "earlier step form (MultiHeadAttention cross over the widest source)"}
+
+
+def plot(rows: list[dict], path: Path, reference: str) -> None:
     labels = [f"{r['rows']} rows, {r['cached']} cached" for r in rows]
     x = np.arange(len(rows))
     fig, ax = agg_subplots(figsize=(8, 4))
-    ax.bar(x - 0.2, [r["torch_form_ms"] for r in rows], 0.4, label="torch form (whole cache in and out)")
+    ax.bar(x - 0.2, [r["reference_ms"] for r in rows], 0.4, label=REFERENCE_LABELS[reference])
     ax.bar(x + 0.2, [r["step_form_ms"] for r in rows], 0.4, label="step form (IO-bound buffers, GQA in place)")
     ax.set_xticks(x, labels, fontsize=8)
     ax.set_ylabel("ms per decoder call (1 thread)")
@@ -164,10 +179,12 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bundle", type=Path, default=REPO / "models" / "translate-transformer")
-    parser.add_argument("--torch-form", type=Path, required=True, help="the torch-form decoder.onnx of that bundle")
+    parser.add_argument("--reference", type=Path, required=True,
+                        help="the torch-form or earlier step-form decoder.onnx of that bundle (from git history)")
     parser.add_argument("--rows", default="1,16", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--cached", default="20,200", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--memory", type=int, default=32, help="source positions (cross keys)")
+    parser.add_argument("--spread", action="store_true", help="rows' sources from 16 to --memory positions")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "decode-step")
@@ -175,32 +192,37 @@ def main(argv: list[str] | None = None) -> None:
     load_before = load_average()
     config = json.loads((args.bundle / "config.json").read_text())
     step_path = args.bundle / "decoder.onnx"
-    forms = {"torch_form": session(args.torch_form), "step_form": session(step_path)}
+    reference = decoder_form(args.reference)
+    forms = {"reference": session(args.reference), "step_form": session(step_path)}
     rows = []
     for batch in args.rows:
         for cached in args.cached:
-            calls = {form: Calls(s, config, batch, cached, args.memory, step=form == "step_form")
-                     for form, s in forms.items()}
+            calls = {form: Calls(s, config, batch, cached, args.memory, step=form == "step_form" or
+                                 reference != "torch", spread=args.spread)
+                     for form, s in forms.items()}  # fmt: skip
             ms = time_calls(calls, args.calls, args.rounds)
             rows.append({"rows": batch, "cached": cached, "memory": args.memory,
-                         "torch_form_ms": round(ms["torch_form"], 4), "step_form_ms": round(ms["step_form"], 4),
-                         "torch_form_over_step_form": round(ms["torch_form"] / ms["step_form"], 2),
+                         "sources": f"16-{args.memory}" if args.spread and batch > 1 else str(args.memory),
+                         "reference_ms": round(ms["reference"], 4), "step_form_ms": round(ms["step_form"], 4),
+                         "reference_over_step_form": round(ms["reference"] / ms["step_form"], 2),
                          "load": load_average()})  # fmt: skip
             print(rows[-1], flush=True)
-    nodes = {"torch form": optimized_nodes(args.torch_form), "step form": optimized_nodes(step_path)}
+    nodes = {f"{reference} form": optimized_nodes(args.reference), "step form": optimized_nodes(step_path)}
     overhead = run_overhead_us()
-    split = operator_split(step_path, config, 1, args.cached[0], args.memory)
+    split = operator_split(step_path, config, args.rows[-1], args.cached[0], args.memory, args.spread)
     write_csv(args.out.with_suffix(".csv"), rows)
-    plot(rows, args.out.with_suffix(".png"))
-    lines = header("One decoder step: torch form vs step form", ("onnxruntime", "numpy"), load_before)
+    plot(rows, args.out.with_suffix(".png"), reference)
+    sources = (f"sources spread evenly from 16 to {args.memory} positions over the rows" if args.spread else
+               f"source of {args.memory} positions")  # fmt: skip
+    lines = header(f"One decoder step: {reference} form vs step form", ("onnxruntime", "numpy"), load_before)
     lines += [
-        f"Bundle `{args.bundle.name}` (d 128, 3 decoder layers, vocabulary 8000), 1 ORT thread, source of "
-        f"{args.memory} positions; the two forms take turns call by call, {args.calls} calls per round, median of "
-        f"{args.rounds} rounds.",
+        f"Bundle `{args.bundle.name}` (d 128, 3 decoder layers, vocabulary 8000), 1 ORT thread, {sources}; the "
+        f"two forms take turns call by call, {args.calls} calls per round, median of {args.rounds} rounds. "
+        f"Reference: `{args.reference}`, {REFERENCE_LABELS[reference]}.",
         "",
-        *markdown_table(rows, {"rows": "rows", "cached": "cached tokens", "torch_form_ms": "torch form ms/call",
-                               "step_form_ms": "step form ms/call",
-                               "torch_form_over_step_form": "torch / step", "load": "load"}),  # fmt: skip
+        *markdown_table(rows, {"rows": "rows", "cached": "cached tokens", "sources": "source positions",
+                               "reference_ms": f"{reference} form ms/call", "step_form_ms": "step form ms/call",
+                               "reference_over_step_form": "reference / step", "load": "load"}),  # fmt: skip
         "",
         f"![ms per call]({args.out.name}.png)",
         "",
@@ -210,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
           for form, c in nodes.items()],  # fmt: skip
         f"- session.run of a one-node (Identity) graph: {overhead:.1f} µs: the fixed cost of a call.",
         "",
-        f"## Step form, 1 row, {args.cached[0]} cached: ORT profiler's kernel time by operator",
+        f"## Step form, {args.rows[-1]} rows, {args.cached[0]} cached: ORT profiler's kernel time by operator",
         "",
         *markdown_table(split, {"operator": "operator", "share_of_kernel_time": "share of kernel time"}),
         "",

@@ -11,8 +11,15 @@ kernels, about 70 nodes:
   the kernel writes the new key/value column in place at each row's own length (`past_lengths`) and attends
   over that row's positions only. So rows of different lengths share one call without paying for the longest
   row (the stepmask branch's lesson), and a step copies one column per row instead of the whole cache;
-- cross-attention is `com.microsoft::MultiHeadAttention` over the encoder's keys/values (B, H, S', hd) with the
-  cross mask as key padding mask;
+- cross-attention is `com.microsoft::GroupQueryAttention` too, over the encoder's keys/values (B, H, S', hd) in
+  buffers the caller binds as past and present, with each row's own source length (`cross_lengths`): a row
+  attends over its own source's positions only, so rows of short and long sources share one call without the
+  short ones paying the longest one's width (a MultiHeadAttention with a key padding mask, the form before,
+  computed every row over the widest source: with 16 live rows whose sources spread over 16-256 positions a step
+  is 1.23-1.39x as fast this way, 4 rows 1.18-1.23x, 1 row the same; benchmarks/decode_bench.py,
+  benchmarks/results/ragged-cross-session22/). The kernel appends the one new key/value it is given at each
+  row's `cross_lengths - 1`: the caller passes the row's last source position (`cross_last_*`), which the kernel
+  writes over itself, so nothing changes in the buffer and every row attends over exactly its source;
 - one new token per row, so activations are (B, C) and every Linear is a MatMul + Add; q/k/v of
   self-attention are one MatMul. Weights stay named initializers in PyTorch's (out, in) layout behind
   Transpose/Concat nodes, which ONNX Runtime folds once at load (and export/quantize.py folds before
@@ -21,14 +28,22 @@ kernels, about 70 nodes:
 decoder.onnx (step form)
     input_ids int64 (B, 1), past_lengths int32 (B): target tokens already cached per row (= the new token's
     position), total_length int32 (1): max(past_lengths) + 1, past_key_i/past_value_i float (B, H, T_max, hd),
-    cross_key_i/cross_value_i (B, H, S', hd), cross_mask bool (B, S')
-    -> logits (B, V), present_key_i/present_value_i: the same buffers as past_* when bound to them.
+    cross_key_i/cross_value_i float (B, H, S', hd), cross_last_key_i/cross_last_value_i float (B, 1, H*hd): each row's
+    key/value at its last source position, cross_lengths int32 (B): each row's source positions (its cross mask
+    is a prefix: sources are padded on the right), cross_total int32 (1): max(cross_lengths)
+    -> logits (B, V), present_key_i/present_value_i: the same buffers as past_* when bound to them,
+    present_cross_key_i/present_cross_value_i: the same buffers as cross_* (bind them so: unbound, ONNX Runtime
+    would copy the whole cross cache every step).
 
     python -m export step-decoder --bundle models/translate-transformer   (rewrites decoder.onnx in place)
+
+The command also rebuilds a decoder.onnx of the earlier step form (cross-attention as MultiHeadAttention over a
+`cross_mask`) from its own weights, checked against it.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import tempfile
@@ -43,7 +58,10 @@ from export.ctranslate2 import graph_facts
 
 OPSET = 17
 IR_VERSION = 8
-STEP_INTERFACE = "step: past_lengths, cache buffers bound as past and present (GroupQueryAttention)"
+STEP_INTERFACE = ("step: past_lengths, cache buffers bound as past and present (GroupQueryAttention); cross-attention "
+                  "by GroupQueryAttention over cross_lengths")
+# The step form before cross-attention read per-row lengths: MultiHeadAttention with a key padding mask
+EARLIER_STEP_INTERFACE = "step: past_lengths, cache buffers bound as past and present (GroupQueryAttention)"
 
 
 def weights_of_exported_decoder(decoder_onnx: Path, d_model: int) -> tuple[dict[str, np.ndarray], dict]:
@@ -117,7 +135,7 @@ def build_step_decoder(weights: dict[str, np.ndarray], facts: dict, config: dict
     table = g.constant(facts["positions"].astype(np.float32))
     x = g.one("Add", g.one("Mul", g.one("Gather", g.weight("embed.weight"), tokens, axis=0), scale),
               g.one("Gather", table, positions, axis=0))  # (B, C)  # fmt: skip
-    key_padding = g.one("Cast", "cross_mask", to=TensorProto.INT32)
+    last_source_position = g.one("Sub", "cross_lengths", g.constant(np.array(1, np.int32)))
     for i in range(layers):
         scope = f"blocks.{i}"
         qkv = g.one("Reshape", linear(layer_norm(x, f"{scope}.ln1"), *(f"{scope}.self_attn.{p}" for p in "qkv")),
@@ -129,28 +147,37 @@ def build_step_decoder(weights: dict[str, np.ndarray], facts: dict, config: dict
         g.nodes[-1].output[1:] = [f"present_key_{i}", f"present_value_{i}"]
         x = g.one("Add", x, linear(g.one("Reshape", attended[0], rows_channels), f"{scope}.self_attn.out"))
         query = g.one("Reshape", linear(layer_norm(x, f"{scope}.ln2"), f"{scope}.cross_attn.q"), rows_one_token)
-        crossed = g.one("MultiHeadAttention", query, f"cross_key_{i}", f"cross_value_{i}", "", key_padding,
-                        domain="com.microsoft", num_heads=heads)  # fmt: skip
+        crossed = g.node(
+            "GroupQueryAttention", [query, f"cross_last_key_{i}", f"cross_last_value_{i}", f"cross_key_{i}",
+                                    f"cross_value_{i}", last_source_position, "cross_total"],
+            3, "com.microsoft", num_heads=heads, kv_num_heads=heads,
+        )[0]  # fmt: skip
+        g.nodes[-1].output[1:] = [f"present_cross_key_{i}", f"present_cross_value_{i}"]
         x = g.one("Add", x, linear(g.one("Reshape", crossed, rows_channels), f"{scope}.cross_attn.out"))
         hidden = g.one("Gelu", linear(layer_norm(x, f"{scope}.ln3"), f"{scope}.mlp.fc"), domain="com.microsoft")
         x = g.one("Add", x, linear(hidden, f"{scope}.mlp.proj"))
     embed_t = g.one("Transpose", g.weight("embed.weight"), perm=[1, 0])  # tied output layer, no bias
     g.nodes.append(helper.make_node("MatMul", [layer_norm(x, "ln_f"), embed_t], ["logits"], name="output_layer"))
 
-    batch, cache = "batch", ["batch", heads, "max_length", head_dim]
+    batch, cache, memory = "batch", ["batch", heads, "max_length", head_dim], ["batch", heads, "memory", head_dim]
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, [batch, 1]),
         helper.make_tensor_value_info("past_lengths", TensorProto.INT32, [batch]),
         helper.make_tensor_value_info("total_length", TensorProto.INT32, [1]),
         *[helper.make_tensor_value_info(f"past_{kind}_{i}", TensorProto.FLOAT, cache)
           for i in range(layers) for kind in ("key", "value")],
-        *[helper.make_tensor_value_info(f"cross_{kind}_{i}", TensorProto.FLOAT, [batch, heads, "memory", head_dim])
+        *[helper.make_tensor_value_info(f"cross_{kind}_{i}", TensorProto.FLOAT, memory)
           for i in range(layers) for kind in ("key", "value")],
-        helper.make_tensor_value_info("cross_mask", TensorProto.BOOL, [batch, "memory"]),
+        *[helper.make_tensor_value_info(f"cross_last_{kind}_{i}", TensorProto.FLOAT, [batch, 1, d])
+          for i in range(layers) for kind in ("key", "value")],
+        helper.make_tensor_value_info("cross_lengths", TensorProto.INT32, [batch]),
+        helper.make_tensor_value_info("cross_total", TensorProto.INT32, [1]),
     ]  # fmt: skip
     outputs = [
         helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, cfg["vocab_size"]]),
         *[helper.make_tensor_value_info(f"present_{kind}_{i}", TensorProto.FLOAT, cache)
+          for i in range(layers) for kind in ("key", "value")],
+        *[helper.make_tensor_value_info(f"present_cross_{kind}_{i}", TensorProto.FLOAT, memory)
           for i in range(layers) for kind in ("key", "value")],
     ]  # fmt: skip
     graph = helper.make_graph(g.nodes, "translate_step_decoder", inputs, outputs, list(g.initializers.values()))
@@ -163,8 +190,42 @@ def build_step_decoder(weights: dict[str, np.ndarray], facts: dict, config: dict
     return model
 
 
-def is_step_decoder(decoder_onnx: Path) -> bool:
-    return any(i.name == "past_lengths" for i in onnx.load(str(decoder_onnx), load_external_data=False).graph.input)
+def decoder_form(decoder_onnx: Path) -> str:
+    """"torch" (as torch.onnx.export writes it), "earlier step" (cross-attention over a cross_mask) or "step"."""
+    inputs = {i.name for i in onnx.load(str(decoder_onnx), load_external_data=False).graph.input}
+    if "past_lengths" not in inputs:
+        return "torch"
+    return "step" if "cross_lengths" in inputs else "earlier step"
+
+
+def bind_cross(decoder: ort.InferenceSession, binding: ort.IOBinding, cross: dict[str, np.ndarray],
+               cross_mask: np.ndarray) -> list[np.ndarray]:  # fmt: skip
+    """Bind the encoder's cross keys/values (name -> (B, H, S', hd)) and cross_mask (B, S', a prefix per row) to a
+    step-form decoder: the cross caches as past and present, each row's last source key/value, the lengths and the
+    longest; the earlier step form takes the mask as it is. -> the arrays bound: keep them while the binding is."""
+
+    def bind(name: str, array: np.ndarray, output: bool = False) -> None:
+        (binding.bind_output if output else binding.bind_input)(name, "cpu", 0, array.dtype, list(array.shape),
+                                                                array.ctypes.data)  # fmt: skip
+
+    if "cross_mask" in {i.name for i in decoder.get_inputs()}:
+        kept = [np.ascontiguousarray(a) for a in (*cross.values(), cross_mask)]
+        for name, array in zip([*cross, "cross_mask"], kept, strict=True):
+            bind(name, array)
+        return kept
+    lengths = cross_mask.sum(axis=1).astype(np.int32)
+    rows = np.arange(len(lengths))
+    kept = [lengths, np.array([lengths.max()], np.int32)]
+    bind("cross_lengths", kept[0])
+    bind("cross_total", kept[1])
+    for name, array in cross.items():
+        array = np.ascontiguousarray(array)  # the kernel writes each row's last position over itself
+        last = np.ascontiguousarray(array[rows, :, lengths - 1].reshape(len(rows), 1, -1))
+        bind(name, array)
+        bind(f"present_{name}", array, output=True)
+        bind(name.replace("cross_", "cross_last_"), last)
+        kept += [array, last]
+    return kept
 
 
 def _session(path: Path) -> ort.InferenceSession:
@@ -203,15 +264,27 @@ def _torch_form_greedy(encoder, decoder, config: dict, input_ids: np.ndarray, at
     return outputs
 
 
+def _step_form_greedy(encoder, decoder, config: dict, input_ids: np.ndarray, attention_mask: np.ndarray,
+                      max_new_tokens: int) -> list[list[int]]:  # fmt: skip
+    """Greedy decoding with an earlier step-form decoder (every row for the whole length, then cut at its EOS)."""
+    logits, fed = step_logits(encoder, decoder, config, input_ids, attention_mask,
+                              min(max_new_tokens, config["tgt_n_max"]))  # fmt: skip
+    tokens = np.concatenate([fed[:, 1:], logits[-1].argmax(-1)[:, None]], axis=1)
+    eos = config["special_tokens"]["eos_id"]
+    return [list(itertools.takewhile(lambda token: token != eos, row)) for row in tokens.tolist()]
+
+
 def step_logits(encoder, decoder, config: dict, input_ids: np.ndarray, attention_mask: np.ndarray, steps: int,
                 forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """`steps` calls of a step-form decoder on these sources, all rows in step: -> logits (steps, rows, V) and
     the tokens fed (rows, steps), BOS then each step's argmax, or `forced` (rows, steps) when given."""
     layers, heads, head_dim = config["n_decoder_layers"], config["n_heads"], config["head_dim"]
     names = [f"{{}}_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
-    cross_names = [n.format("cross") for n in names] + ["cross_mask"]
+    cross_names = [n.format("cross") for n in names]
     rows = len(input_ids)
-    cross = encoder.run(cross_names, {"input_ids": input_ids, "attention_mask": attention_mask})
+    *cross, cross_mask = encoder.run([*cross_names, "cross_mask"],
+                                     {"input_ids": input_ids, "attention_mask": attention_mask})  # fmt: skip
+    cross = dict(zip(cross_names, cross, strict=True))
     caches = [np.zeros((rows, heads, config["tgt_n_max"], head_dim), np.float32) for _ in names]
     fed = np.full((rows, steps), config["special_tokens"]["bos_id"], np.int64) if forced is None else forced
     out = []
@@ -220,30 +293,33 @@ def step_logits(encoder, decoder, config: dict, input_ids: np.ndarray, attention
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(fed[:, step : step + 1]))
         binding.bind_cpu_input("past_lengths", np.full(rows, step, np.int32))
         binding.bind_cpu_input("total_length", np.array([step + 1], np.int32))
-        for name, array in zip(cross_names, cross, strict=True):
-            binding.bind_cpu_input(name, array)
+        kept = bind_cross(decoder, binding, cross, cross_mask)
         for name, cache in zip(names, caches, strict=True):
             for role, bind in (("past", binding.bind_input), ("present", binding.bind_output)):
                 bind(name.format(role), "cpu", 0, np.float32, list(cache.shape), cache.ctypes.data)
-        binding.bind_output("logits", "cpu")
+        logits = np.empty((rows, config["vocab_size"]), np.float32)
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         decoder.run_with_iobinding(binding)
-        logits = binding.copy_outputs_to_cpu()[-1]
+        del kept
         out.append(logits)
         if forced is None and step + 1 < steps:
             fed[:, step + 1] = logits.argmax(-1)
     return np.stack(out), fed
 
 
-def check_step_parity(bundle: Path, torch_form_decoder: Path, sources: list[list[int]], max_new_tokens: int = 256,
+def check_step_parity(bundle: Path, reference_decoder: Path, sources: list[list[int]], max_new_tokens: int = 256,
                       batch_size: int = 25) -> dict:  # fmt: skip
     """Greedy outputs of the bundle's step-form decoder (through the service runtime, as served) against the
-    torch-form decoder it was built from, on `sources` (token ids with EOS), batched alike."""
+    decoder it was built from (the torch form, or the earlier step form), on `sources` (token ids with EOS),
+    batched alike."""
     from service.batcher import pad
     from service.runtime import TranslatorRuntime
 
     config = json.loads((bundle / "config.json").read_text())
     encoder = _session(bundle / "encoder.onnx")
-    reference_decoder = _session(torch_form_decoder)
+    form = decoder_form(reference_decoder)
+    greedy = _torch_form_greedy if form == "torch" else _step_form_greedy
+    reference = _session(reference_decoder)
     runtime = TranslatorRuntime(encoder, _session(bundle / "decoder.onnx"), n_layers=config["n_decoder_layers"],
                                 n_heads=config["n_heads"], head_dim=config["head_dim"], tgt_n_max=config["tgt_n_max"],
                                 bos_id=config["special_tokens"]["bos_id"], eos_id=config["special_tokens"]["eos_id"],
@@ -252,10 +328,11 @@ def check_step_parity(bundle: Path, torch_form_decoder: Path, sources: list[list
     identical = 0
     for start in range(0, len(sources), batch_size):
         ids, mask = pad(sources[start : start + batch_size], pad_id)
-        expected = _torch_form_greedy(encoder, reference_decoder, config, ids, mask, max_new_tokens)
+        expected = greedy(encoder, reference, config, ids, mask, max_new_tokens)
         served = runtime.run(ids, mask, (1, max_new_tokens))
         identical += sum(a == b for a, b in zip(served, expected, strict=True))
-    return {"sentences": len(sources), "greedy_identical_to_torch_form": identical, "max_new_tokens": max_new_tokens}
+    return {"sentences": len(sources), "reference": f"the {form} form", "greedy_identical": identical,
+            "max_new_tokens": max_new_tokens}  # fmt: skip
 
 
 def parity_sources_from_tsv(bundle: Path, tsv: Path, sentences: int) -> list[list[int]]:
@@ -274,14 +351,16 @@ def parity_sources_from_tsv(bundle: Path, tsv: Path, sentences: int) -> list[lis
 
 def convert_bundle(bundle: Path, parity_sources: list[list[int]] | None = None,
                    parameters: tuple[dict[str, np.ndarray], dict] | None = None) -> dict:  # fmt: skip
-    """Rewrite `bundle`'s torch-form decoder.onnx as the step form (in place), check greedy parity on
-    `parity_sources` (default: 64 random sources), update config.json, the card and manifest.json. The weights
-    come from that decoder.onnx, or from `parameters` (weights_of_model) when exporting from a checkpoint."""
+    """Rewrite `bundle`'s torch-form (or earlier step-form) decoder.onnx as the step form (in place), check greedy
+    parity against the decoder it replaces on `parity_sources` (default: 64 random sources), update config.json, the
+    card and manifest.json. The weights come from that decoder.onnx, or from `parameters` (weights_of_model) when
+    exporting from a checkpoint."""
     from export.bundle import write_json, write_manifest
 
     config = json.loads((bundle / "config.json").read_text())
     decoder = bundle / "decoder.onnx"
-    if is_step_decoder(decoder):
+    form = decoder_form(decoder)
+    if form == "step":
         raise ValueError(f"{decoder} is already the step form")
     if "quantization" in config["export"]:
         raise ValueError(f"{bundle} is quantised: convert its fp32 bundle, then quantise again")
@@ -292,30 +371,42 @@ def convert_bundle(bundle: Path, parity_sources: list[list[int]] | None = None,
     model = build_step_decoder(*(parameters or weights_of_exported_decoder(decoder, config["model_config"]["d_model"])),
                                config)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        torch_form = Path(tmp) / "decoder.onnx"
-        shutil.copyfile(decoder, torch_form)
+        replaced = Path(tmp) / "decoder.onnx"
+        shutil.copyfile(decoder, replaced)
         onnx.save(model, str(decoder))
         try:
-            parity = check_step_parity(bundle, torch_form, parity_sources)
-            if parity["greedy_identical_to_torch_form"] < 0.99 * parity["sentences"]:
-                raise RuntimeError(f"the step-form decoder disagrees with the exported one: {parity}")
+            parity = check_step_parity(bundle, replaced, parity_sources)
+            if parity["greedy_identical"] < 0.99 * parity["sentences"]:
+                raise RuntimeError(f"the step-form decoder disagrees with the {form} form it replaces: {parity}")
         except Exception:
-            shutil.copyfile(torch_form, decoder)  # leave the bundle as it was
+            shutil.copyfile(replaced, decoder)  # leave the bundle as it was
             raise
+    if form == "earlier step":  # the chain back to the exported decoder: the earlier form's own check
+        parity["earlier_step_parity"] = config["export"].get("step_parity")
     config["export"] = {**config["export"], "decoder_form": STEP_INTERFACE, "step_parity": parity}
     write_json(bundle / "config.json", config)
     card = bundle / "MODEL_CARD.md"
-    card.write_text(card.read_text().rstrip("\n") + "\n\n" + step_card_section(parity) + "\n")
+    text = card.read_text()
+    if "\n## Decoder form\n" in text:  # the section is the card's last (written here)
+        text = text[: text.index("\n## Decoder form\n")]
+    card.write_text(text.rstrip("\n") + "\n\n" + step_card_section(parity) + "\n")
     write_manifest(bundle)
     return config
 
 
 def step_card_section(parity: dict) -> str:
+    earlier = parity.get("earlier_step_parity")
+    chain = "" if not earlier else (
+        " That form's greedy outputs had been identical to the exported decoder's on "
+        f"{earlier.get('greedy_identical', earlier.get('greedy_identical_to_torch_form'))}/{earlier['sentences']} "
+        "sources."
+    )
     return (
         "## Decoder form\n"
         "`decoder.onnx` is the step form (export/step_decoder.py): one new token per row, the self-attention "
         "cache in buffers the runtime binds as past and present (GroupQueryAttention appends in place at each row's "
-        "own length), cross-attention as MultiHeadAttention; built from the exported decoder's weights. Greedy "
-        f"outputs identical to the exported decoder's on {parity['greedy_identical_to_torch_form']}/"
-        f"{parity['sentences']} sources (at most {parity['max_new_tokens']} new tokens)."
+        "own length), cross-attention as GroupQueryAttention over each row's own source length; built from the "
+        f"weights of the decoder it replaced ({parity['reference']}). Greedy outputs identical to that decoder's on "
+        f"{parity['greedy_identical']}/{parity['sentences']} sources (at most {parity['max_new_tokens']} new "
+        f"tokens).{chain}"
     )

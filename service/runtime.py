@@ -176,9 +176,12 @@ class TranslatorRuntime:
         eos_id: int,
         length_penalty_alpha: float = 0.6,
     ):
-        if "past_lengths" not in {i.name for i in decoder.get_inputs()}:
-            raise ValueError("decoder.onnx is not the step form (no past_lengths input): convert the bundle with "
-                             "`python -m export step-decoder --bundle <bundle>`")  # fmt: skip
+        inputs = {i.name for i in decoder.get_inputs()}
+        if "past_lengths" not in inputs or "cross_lengths" not in inputs:
+            form = "not the step form (no past_lengths input)" if "past_lengths" not in inputs else (
+                "the earlier step form (cross-attention over cross_mask, not cross_lengths)")
+            raise ValueError(f"decoder.onnx is {form}: convert the bundle with `python -m export step-decoder "
+                             "--bundle <bundle>` (an int8 bundle: its fp32 bundle, then quantise again)")  # fmt: skip
         if _release(ort.__version__) < STEP_DECODER_MIN_ORT:
             raise ValueError(f"the step-form decoder needs onnxruntime >= {'.'.join(map(str, STEP_DECODER_MIN_ORT))}, "
                              f"this is {ort.__version__}")  # fmt: skip
@@ -188,7 +191,8 @@ class TranslatorRuntime:
         kinds = [(i, kind) for i in range(n_layers) for kind in ("key", "value")]
         self.past_names = [f"past_{kind}_{i}" for i, kind in kinds]
         self.present_names = [f"present_{kind}_{i}" for i, kind in kinds]
-        self.cross_names = [f"cross_{kind}_{i}" for i, kind in kinds] + ["cross_mask"]
+        self.cross_names = [f"cross_{kind}_{i}" for i, kind in kinds] + ["cross_mask"]  # the encoder's outputs
+        self.cross_last_names = [f"cross_last_{kind}_{i}" for i, kind in kinds]
         self.vocab_size = decoder.get_outputs()[0].shape[-1]
         self._spare: _DecodeBuffers | None = None  # left by the last decode (SPARE_DECODE_BYTES)
 
@@ -305,9 +309,11 @@ class _DecodeBuffers:
     Row r of each array is one live row (rows 0..rows-1 in use, any order). The self-attention cache is
     (rows, H, tgt_n_max, hd) per layer: bound as both `past_*` and `present_*`, the decoder's attention kernel
     writes the new column at position `lengths[r]` in place and attends over that row's own positions only, so
-    rows of any lengths share one call. The cross keys/values are (rows, H, memory, hd) with `memory` the longest
-    live source's, the others' masked (`cross_mask`). Capacities grow by doubling; a binding is made once per number
-    of live rows and kept with the arrays, not renewed per step.
+    rows of any lengths share one call. The cross keys/values are (rows, H, memory, hd) with `memory` at least the
+    longest live source's, bound the same way: the kernel attends over row r's first `source_lengths[r]` positions
+    only (writing the row's last source key/value, `cross_last`, over itself), so a short source does not pay for a
+    long one's width. Capacities grow by doubling; a binding is made once per number of live rows and kept with the
+    arrays, not renewed per step.
     """
 
     def __init__(self, runtime: TranslatorRuntime, capacity: int, memory: int, old: "_DecodeBuffers | None" = None):
@@ -316,11 +322,12 @@ class _DecodeBuffers:
         heads, head_dim = rt.n_heads, rt.head_dim
         self.cache = {name: np.empty((capacity, heads, rt.tgt_n_max, head_dim), np.float32) for name in rt.past_names}
         self.cross = {name: np.zeros((capacity, heads, memory, head_dim), np.float32) for name in rt.cross_names[:-1]}
-        self.cross_mask = np.zeros((capacity, memory), bool)
+        self.cross_last = {name: np.zeros((capacity, 1, heads * head_dim), np.float32) for name in rt.cross_last_names}
         self.tokens = np.zeros((capacity, 1), np.int64)
         self.lengths = np.zeros(capacity, np.int32)  # target tokens cached per row = the next token's position
-        self.source_lengths = np.zeros(capacity, np.int64)  # real cross positions per row (cache accounting)
+        self.source_lengths = np.zeros(capacity, np.int32)  # cross positions per row (`cross_lengths`)
         self.total_length = np.zeros(1, np.int32)
+        self.cross_total = np.zeros(1, np.int32)
         self.logits = np.empty((capacity, rt.vocab_size), np.float32)
         self.rows = 0
         self.bindings: dict[int, ort.IOBinding] = {}  # live rows -> the binding of their views
@@ -330,9 +337,9 @@ class _DecodeBuffers:
                 self.cache[name][:n] = old.cache[name][:n]
             for name in self.cross:
                 self.cross[name][:n, :, :shared] = old.cross[name][:n, :, :shared]
-            self.cross_mask[:n, :shared] = old.cross_mask[:n, :shared]
             for mine, theirs in ((self.tokens, old.tokens), (self.lengths, old.lengths),
-                                 (self.source_lengths, old.source_lengths)):  # fmt: skip
+                                 (self.source_lengths, old.source_lengths),
+                                 *zip(self.cross_last.values(), old.cross_last.values(), strict=True)):  # fmt: skip
                 mine[:n] = theirs[:n]
             self.rows = n
 
@@ -347,16 +354,21 @@ class _DecodeBuffers:
         n, binding = self.rows, self.runtime.decoder.io_binding()
 
         def put(name: str, array: np.ndarray, output: bool = False) -> None:
-            shape = [n, *array.shape[1:]] if array is not self.total_length else list(array.shape)
+            whole = array is self.total_length or array is self.cross_total
+            shape = list(array.shape) if whole else [n, *array.shape[1:]]
             bind = binding.bind_output if output else binding.bind_input
             bind(name, "cpu", 0, array.dtype, shape, array.ctypes.data)
 
         put("input_ids", self.tokens)
         put("past_lengths", self.lengths)
         put("total_length", self.total_length)
+        put("cross_lengths", self.source_lengths)
+        put("cross_total", self.cross_total)
         for name, array in self.cross.items():
             put(name, array)
-        put("cross_mask", self.cross_mask)
+            put(f"present_{name}", array, output=True)  # the same buffer: the kernel writes each last key over itself
+        for name, array in self.cross_last.items():
+            put(name, array)
         for past, present in zip(self.runtime.past_names, self.runtime.present_names, strict=True):
             put(past, self.cache[past])
             put(present, self.cache[past], output=True)  # the same buffer: the kernel appends in place
@@ -367,19 +379,20 @@ class _DecodeBuffers:
     def run(self) -> np.ndarray:
         """One decoder call for every live row -> next-token logits (rows, V), a view valid until the next call."""
         self.total_length[0] = self.lengths[: self.rows].max() + 1
+        self.cross_total[0] = self.source_lengths[: self.rows].max()
         self.runtime.decoder.run_with_iobinding(self.bind())
         return self.logits[: self.rows]
 
     def write_sources(self, start: int, cross: list[np.ndarray], source_lengths: np.ndarray) -> None:
-        """Rows start.. start+len get these sources' cross keys/values (already repeated per beam), an empty
-        self-attention cache and BOS."""
+        """Rows start.. start+len get these sources' cross keys/values (already repeated per beam; each row's
+        `source_lengths` positions, the rest padding), an empty self-attention cache and BOS."""
         end = start + len(source_lengths)
         width = cross[0].shape[2]
-        for name, array in zip(self.runtime.cross_names[:-1], cross[:-1], strict=True):
+        rows, last = np.arange(len(source_lengths)), source_lengths - 1
+        for name, last_name, array in zip(self.runtime.cross_names[:-1], self.runtime.cross_last_names, cross[:-1],
+                                          strict=True):  # fmt: skip
             self.cross[name][start:end, :, :width] = array
-            self.cross[name][start:end, :, width:] = 0
-        self.cross_mask[start:end] = False
-        self.cross_mask[start:end, :width] = cross[-1]
+            self.cross_last[last_name][start:end, 0] = array[rows, :, last].reshape(len(rows), -1)
         self.tokens[start:end] = self.runtime.bos_id
         self.lengths[start:end] = 0
         self.source_lengths[start:end] = source_lengths
@@ -390,7 +403,7 @@ class _DecodeBuffers:
         token and lengths); the right-hand side is read before anything is written."""
         for array in self.cache.values():
             array[targets, :, :positions] = array[sources, :, :positions]
-        for array in (*self.cross.values(), self.cross_mask, self.tokens, self.lengths, self.source_lengths):
+        for array in (*self.cross.values(), *self.cross_last.values(), self.tokens, self.lengths, self.source_lengths):
             array[targets] = array[sources]
 
 
@@ -422,7 +435,10 @@ class _Cohort:
             cross = [np.repeat(t, beams, axis=0) for t in cross]
         start, memory = self.rows, cross[0].shape[2]
         self._make_room(start + int(beams.sum()), memory)
-        self.buffers.write_sources(start, cross, cross[-1].sum(axis=1))
+        mask = cross[-1]
+        if not (np.logical_and.accumulate(mask, axis=1) == mask).all():  # cross_lengths would misread it
+            raise ValueError("the encoder's cross_mask is not a prefix of each row (sources padded on the right)")
+        self.buffers.write_sources(start, cross, mask.sum(axis=1, dtype=np.int32))
         for (key, (beam, max_new_tokens)), tokens in zip(sources, source_tokens, strict=True):
             search = _Search(key, beam, new_tokens_limit(tokens, max_new_tokens, rt.tgt_n_max), rt.eos_id, rt.alpha)
             search.rows = np.arange(start, start + beam)
@@ -498,7 +514,7 @@ class _Cohort:
                 search.rows = np.array([moved.get(row, row) for row in search.rows.tolist()])
         b.rows = n
         memory = _round_memory(int(b.source_lengths[:n].max()))
-        if memory < b.memory // 2:  # the long sources left: the short ones stop paying for their width
+        if memory < b.memory // 2:  # the long sources left: buffers (and each row copy) shrink to the rest's width
             self.buffers = _DecodeBuffers(self.runtime, b.capacity, memory, old=b)
 
     def drop(self, keys: set) -> None:

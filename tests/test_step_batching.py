@@ -210,6 +210,24 @@ def test_without_width_classes_every_live_row_steps_in_one_decoder_call_and_deco
                        for key, text in zip(("long", "short", "shorter"), texts, strict=True)}  # fmt: skip
 
 
+def test_the_runtime_refuses_a_cross_mask_that_is_not_a_prefix_and_the_earlier_step_form():
+    """The decoder reads each row's source as its first cross_lengths positions: a left-padded source would be read
+    wrongly, so it is refused; so is a decoder of the step form before (cross-attention over a cross_mask)."""
+    from types import SimpleNamespace
+
+    from service.runtime import TranslatorRuntime
+
+    _, tokenizer, runtime = translator("translate-linformer")
+    ids = source_ids(tokenizer, SHORT_TEXTS[0])
+    input_ids = np.array([[0, 0, *ids]], np.int64)  # padded on the left
+    with pytest.raises(ValueError, match="not a prefix"):
+        runtime.live().admit(input_ids, (input_ids != 0).astype(np.int64), [("left", (1, 16))])
+    earlier = SimpleNamespace(get_inputs=lambda: [SimpleNamespace(name=n) for n in ("past_lengths", "cross_mask")])
+    with pytest.raises(ValueError, match="earlier step form.*python -m export step-decoder"):
+        TranslatorRuntime(runtime.encoder, earlier, n_layers=3, n_heads=4, head_dim=32, tgt_n_max=256, bos_id=2,
+                          eos_id=3)  # fmt: skip
+
+
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_a_decode_takes_the_small_buffers_the_last_one_left_and_decodes_as_on_new_ones(beam_size):
     """Buffers (and their IO bindings) outlive their last source when small, for the next decode of about the same

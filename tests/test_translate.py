@@ -9,6 +9,7 @@ import torch
 from conftest import build_tiny_translate_bundle
 from tiny_ende import make_tiny_ende
 
+from export.step_decoder import bind_cross
 from export.translate import cache_names, export_translator, load_translator, sessions
 from model import ModelConfig
 from service.runtime import TranslatorRuntime
@@ -133,15 +134,16 @@ def test_exported_greedy_is_identical_to_pytorch_and_logits_agree(exported):
 
 def test_step_decoder_steps_rows_of_different_lengths_in_one_call_like_pytorch(exported, trained):
     """Row 0 decodes two tokens alone, then rows 1 and 2 join it: each call holds rows at different lengths, the
-    cache buffers are bound as both past and present, and every row's logits equal PyTorch's for its prefix."""
+    cache buffers (and the cross keys, by each row's source length) are bound as both past and present, and every
+    row's logits equal PyTorch's for its prefix."""
     task, bundle, config = exported
     model = task.model
     L, H, hd, T = config["n_decoder_layers"], config["n_heads"], config["head_dim"], config["tgt_n_max"]
     encoder, decoder = sessions(bundle)
-    assert {i.name for i in decoder.get_inputs()} >= {"past_lengths", "total_length"}
+    assert {i.name for i in decoder.get_inputs()} >= {"past_lengths", "total_length", "cross_lengths"}
     src, mask = pad(task.splits["test"]["src"][:3], PAD_ID)
-    cross_names = [*cache_names("cross", L), "cross_mask"]
-    cross = encoder.run(cross_names, {"input_ids": src.numpy(), "attention_mask": mask.numpy()})
+    cross_names = cache_names("cross", L)
+    cross = encoder.run([*cross_names, "cross_mask"], {"input_ids": src.numpy(), "attention_mask": mask.numpy()})
     tgt = torch.tensor([[BOS_ID, 5, 6, 7, 8, 9]] * 3)
     with torch.no_grad():
         expected = model.decode(tgt, model.encode(src, mask))[0].numpy()  # (3, 6, V): every prefix at once
@@ -153,14 +155,15 @@ def test_step_decoder_steps_rows_of_different_lengths_in_one_call_like_pytorch(e
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(tokens))
         binding.bind_cpu_input("past_lengths", lengths[:rows].copy())
         binding.bind_cpu_input("total_length", np.array([lengths[:rows].max() + 1], np.int32))
-        for name, array in zip(cross_names, cross, strict=True):
-            binding.bind_cpu_input(name, np.ascontiguousarray(array[:rows]))
+        keys_values = {name: array[:rows] for name, array in zip(cross_names, cross[:-1], strict=True)}
+        kept = bind_cross(decoder, binding, keys_values, cross[-1][:rows])
         for name, cache in caches.items():
             for role, bind in ((name, binding.bind_input), (name.replace("past", "present"), binding.bind_output)):
                 bind(role, "cpu", 0, np.float32, [rows, H, T, hd], cache.ctypes.data)
-        binding.bind_output("logits", "cpu")
+        logits = np.empty((rows, config["vocab_size"]), np.float32)
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         decoder.run_with_iobinding(binding)
-        logits = binding.copy_outputs_to_cpu()[-1]
+        del kept
         for row in range(rows):
             np.testing.assert_allclose(logits[row], expected[row, lengths[row]], atol=1e-4)
         lengths[:rows] += 1
