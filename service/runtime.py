@@ -530,15 +530,17 @@ class LiveDecode:
     chooses. Mechanics only: who joins, when, and which width classes step is the caller's policy. Not thread-safe:
     one thread drives it.
 
-    Live rows decode in cohorts, one decoder call per cohort per step, each call's cross keys padded to its own
-    longest source; within a cohort, rows of any target length share the call (_DecodeBuffers). With
-    `width_classes`, rows are grouped by source width (sources of up to 64, 128, 256, ... tokens), so a short source
-    does not pay for a long one's cross-attention: what `run` (request-level batches) and short-first step
-    scheduling use, the latter to step short sources without the long ones. Without, every live row is in one
-    cohort: step-level batching's throughput policy. Under the load's mix (8-256 tokens) the long sources make up
-    most of the live rows (they live longest), so the narrow classes' calls carried 1-2 rows each, at nearly the
-    fixed cost of a call (~0.5 ms on the 2-core VM), and stepping every row in one call made 1.6-1.8x as many
-    tokens/s at full occupancy (benchmarks/step_ceiling.py, benchmarks/results/step-ceiling-session21/).
+    Live rows decode in cohorts, one decoder call per cohort per step; within a cohort, rows of any target length
+    and any source length share the call, each attending over its own (_DecodeBuffers). With `width_classes`, rows
+    are grouped by source width (sources of up to 64, 128, 256, ... tokens), each class encoded and stepped on its
+    own: what `run` (request-level batches) and short-first step scheduling use, the latter to step short sources
+    without the long ones. Without, every live row is in one cohort: step-level batching's throughput policy. Under
+    the load's mix (8-256 tokens) the long sources make up most of the live rows (they live longest), so the narrow
+    classes' calls carried 1-2 rows each, at nearly the fixed cost of a call (~0.5 ms on the 2-core VM). At full
+    occupancy one cohort made 1.6-1.8x the width classes' tokens/s, 1.33x / 1.56x request-level's (transformer /
+    linformer), when every row still paid for the widest source's cross-attention (benchmarks/step_ceiling.py,
+    benchmarks/results/step-ceiling-session21/), and 1.65x / 1.67x request-level's since each row pays for its own
+    (benchmarks/results/ragged-cross-session22/).
     """
 
     def __init__(self, runtime: TranslatorRuntime, width_classes: bool = True):
@@ -633,9 +635,9 @@ class LiveDecode:
 
 
 def width_class(source_length: int) -> int:
-    """A source's width class (LiveDecode with width classes): the next power of two, at least 64. Below 64 a step's
-    time hardly depends on the width, and each cohort costs a decoder call of its own (~0.15 ms at one row): classes
-    from 32 made 4 cohorts under the mixed load and were no faster than 3 from 64."""
+    """A source's width class (LiveDecode with width classes): the next power of two, at least 64. Each cohort costs
+    a decoder call of its own (~0.15 ms at one row): classes from 32 made 4 cohorts under the mixed load and were no
+    faster than 3 from 64 (measured when a call still cost its widest source's width)."""
     return max(64, 1 << max(0, source_length - 1).bit_length())
 
 
