@@ -399,11 +399,14 @@ class _DecodeBuffers:
         self.rows = max(self.rows, end)
 
     def copy_rows(self, targets: np.ndarray, sources: np.ndarray, positions: int) -> None:
-        """Rows `targets` become copies of rows `sources` (their first `positions` cached tokens, cross keys,
-        token and lengths); the right-hand side is read before anything is written."""
+        """Rows `targets` become copies of rows `sources` (their first `positions` cached tokens, their sources'
+        cross keys, token and lengths); the right-hand side is read before anything is written."""
         for array in self.cache.values():
             array[targets, :, :positions] = array[sources, :, :positions]
-        for array in (*self.cross.values(), *self.cross_last.values(), self.tokens, self.lengths, self.source_lengths):
+        width = int(self.source_lengths[sources].max())  # the decoder reads no cross position past a row's own
+        for array in self.cross.values():
+            array[targets, :, :width] = array[sources, :, :width]
+        for array in (*self.cross_last.values(), self.tokens, self.lengths, self.source_lengths):
             array[targets] = array[sources]
 
 
@@ -472,23 +475,31 @@ class _Cohort:
             self.searches = []
             self._compact()
             return finished, failed
-        best = logits.argmax(axis=1)  # the greedy sources' next tokens, in one pass
+        best = logits.argmax(axis=1).tolist()  # every row's best next token (the greedy sources'), in one pass
+        lengths = b.lengths[: b.rows].tolist()  # tokens decoded so far (this step's was cached at this position)
         going: list[_Search] = []
+        greedy_rows: list[int] = []  # the greedy sources going on: their rows take their tokens in one write
         for search in self.searches:
             rows = search.rows
-            step = int(b.lengths[rows[0]])  # tokens decoded so far (this step's was cached at this position)
+            row = int(rows[0])
             if search.beam == 1:
-                kept, tokens = search.advance_greedy(int(best[rows[0]]), step)
+                kept, tokens = search.advance_greedy(best[row], lengths[row])
             else:
-                kept, tokens = search.advance(_log_softmax(logits[rows]), step)
+                kept, tokens = search.advance(_log_softmax(logits[rows]), lengths[row])
             if search.output is not None:
                 finished[search.key] = search.output
                 continue
-            if kept != list(range(search.beam)):  # beams reordered: each takes its parent's cache
-                b.copy_rows(rows, rows[kept], step + 1)
-            b.tokens[rows, 0] = tokens
-            b.lengths[rows] = step + 1
             going.append(search)
+            if search.beam == 1:
+                greedy_rows.append(row)
+                continue
+            if kept != list(range(search.beam)):  # beams reordered: each takes its parent's cache
+                b.copy_rows(rows, rows[kept], lengths[row] + 1)
+            b.tokens[rows, 0] = tokens
+            b.lengths[rows] = lengths[row] + 1
+        if greedy_rows:
+            b.tokens[greedy_rows, 0] = [best[row] for row in greedy_rows]
+            b.lengths[greedy_rows] += 1
         if len(going) != len(self.searches):
             self.searches = going
             self._compact()
