@@ -4,9 +4,11 @@ EN->DE task (number words, training/ende.py's file layout) that a small Linforme
 import json
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from conftest import build_tiny_translate_bundle
+from onnx import helper
 from tiny_ende import make_tiny_ende
 
 from export.step_decoder import bind_cross
@@ -202,6 +204,64 @@ def test_vanilla_transformer_exports_with_the_same_contract(tmp_path):
     assert config["attention"] == "transformer" and config["k_cross"] is None
     assert config["parity"]["greedy_identical"] == config["parity"]["sentences"]
     assert config["parity"]["max_abs_logit_diff_cached_steps"] <= 1e-4
+
+
+def earlier_step_form(decoder: onnx.ModelProto) -> onnx.ModelProto:
+    """The step form before the twenty-second session, made from today's: cross-attention as MultiHeadAttention over
+    every row's whole cross width with a cross_mask (bool, B x memory) as key padding mask."""
+    graph = decoder.graph
+    crossed = [n for n in graph.node if n.op_type == "GroupQueryAttention" and n.input[3].startswith("cross_")]
+    for node in crossed:
+        mha = helper.make_node("MultiHeadAttention", [node.input[0], node.input[3], node.input[4], "", "key_padding"],
+                               [node.output[0]], domain="com.microsoft", num_heads=node.attribute[0].i)  # fmt: skip
+        graph.node.insert(list(graph.node).index(node), mha)
+        graph.node.remove(node)
+    for node in [n for n in graph.node if "cross_lengths" in n.input]:
+        graph.node.remove(node)
+    graph.node.insert(0, helper.make_node("Cast", ["cross_mask"], ["key_padding"], to=onnx.TensorProto.INT32))
+    for value in [v for v in graph.input if v.name.startswith(("cross_last_", "cross_lengths", "cross_total"))]:
+        graph.input.remove(value)
+    graph.input.append(helper.make_tensor_value_info("cross_mask", onnx.TensorProto.BOOL, ["batch", "memory"]))
+    for value in [v for v in graph.output if v.name.startswith("present_cross_")]:
+        graph.output.remove(value)
+    onnx.checker.check_model(decoder)
+    return decoder
+
+
+def test_an_earlier_step_form_bundle_is_rebuilt_and_checked_against_itself(tmp_path):
+    """`python -m export step-decoder` on a bundle whose decoder is the earlier step form (the committed bundles until
+    the twenty-second session): rebuilt from its own weights, greedy output identical to it on sources of many
+    lengths (vanilla cross-attention: each row its own cross length), which the service then refuses no more."""
+    from export.step_decoder import convert_bundle, decoder_form, step_logits
+
+    bundle, _ = build_tiny_translate_bundle(tmp_path / "translate-transformer", attention="transformer")
+    decoder = bundle / "decoder.onnx"
+    onnx.save(earlier_step_form(onnx.load(str(decoder))), str(decoder))
+    assert decoder_form(decoder) == "earlier step"
+    encoder, earlier = sessions(bundle)
+    config = json.loads((bundle / "config.json").read_text())
+    with pytest.raises(ValueError, match="earlier step form"):
+        TranslatorRuntime(encoder, earlier, n_layers=config["n_decoder_layers"], n_heads=config["n_heads"],
+                          head_dim=config["head_dim"], tgt_n_max=config["tgt_n_max"], bos_id=BOS_ID,
+                          eos_id=EOS_ID)  # fmt: skip
+    rng = np.random.default_rng(0)
+    sources = [[*rng.integers(4, config["vocab_size"], int(n)).tolist(), EOS_ID] for n in rng.integers(1, 15, 40)]
+    ids, mask = pad([torch.tensor(source) for source in sources[:8]], PAD_ID)
+    before, fed = step_logits(encoder, earlier, config, ids.numpy(), mask.numpy(), steps=6)
+    config = convert_bundle(bundle, sources)
+    after, _ = step_logits(encoder, sessions(bundle)[1], config, ids.numpy(), mask.numpy(), steps=6, forced=fed)
+    np.testing.assert_allclose(after, before, atol=1e-5)  # each row over its own source, as the mask had it
+    parity = config["export"]["step_parity"]
+    assert decoder_form(decoder) == "step"
+    assert parity["reference"] == "the earlier step form"
+    assert parity["greedy_identical"] == parity["sentences"] == 40
+    assert parity["earlier_step_parity"]["sentences"] > 0  # the chain back to the exported decoder's check
+    card = (bundle / "MODEL_CARD.md").read_text()
+    assert card.count("## Decoder form") == 1 and "40/40 sources" in card
+    manifest = json.loads((bundle / "manifest.json").read_text())["files"]
+    assert manifest["decoder.onnx"] == sha256(decoder)
+    with pytest.raises(ValueError, match="already the step form"):
+        convert_bundle(bundle, sources)
 
 
 def test_banned_tokens_are_those_that_would_repeat_an_ngram():
