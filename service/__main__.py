@@ -44,6 +44,10 @@ log = logging.getLogger("service")
 # `benchmarks/drain.py --one-replica`, benchmarks/results/reliability-session16/).
 LAST_CALL_S = 0.5
 
+# A keep-alive timer that fires this much after it was due was held up by a stalled process (stopped, or its core
+# taken for seconds), not by an idle client: see AdmittingHttpToolsProtocol.timeout_keep_alive_handler.
+KEEP_ALIVE_LATE_S = 1.0
+
 # Files the process opens besides its connections: models, logs, the event loop's and the compute threads' own.
 OTHER_FILES = 64
 
@@ -171,6 +175,18 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
         def _arm_keep_alive(self) -> None:
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                 self.timeout_keep_alive_handler)  # fmt: skip
+
+        def timeout_keep_alive_handler(self) -> None:
+            """uvicorn closes a connection idle for its keep-alive timeout (5 s). After a stall of the process longer
+            than that, the loop runs its due timers before it reads the sockets, so a request a client sent on an
+            idle keep-alive connection during the stall was still unread when the timer closed the connection, and
+            was lost (the client saw a reset: a 7-s SIGSTOP lost it, a 2-s one did not). A timer firing late gives
+            the reads a round first; a request among them cancels it, as any byte does (data_received)."""
+            timer = self.timeout_keep_alive_task
+            if timer is not None and self.loop.time() - timer.when() > KEEP_ALIVE_LATE_S:
+                self.timeout_keep_alive_task = self.loop.call_later(KEEP_ALIVE_LATE_S, self.timeout_keep_alive_handler)
+                return
+            super().timeout_keep_alive_handler()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import resource
@@ -591,6 +592,36 @@ def test_a_connection_that_sends_nothing_or_trickles_its_headers_is_not_held_for
             assert idle.recv(65536) == b""  # closed, unanswered, as an idle keep-alive connection is
         assert _status_of_answer(_post_over_socket(port, b'{"text": "the film"}')) == 200
         assert _metric(f"http://127.0.0.1:{port}", 'linformer_requests_total{route="unmatched",status="408"}') == 1
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
+
+
+def test_a_request_sent_on_an_idle_keep_alive_connection_during_a_stall_of_the_server_is_answered(models_dir):
+    """A stall of the process longer than the keep-alive timeout (uvicorn's 5 s; here SIGSTOP for 6.5 s): after it
+    the loop ran its due keep-alive timers before reading the sockets, and closed the idle connection whose client
+    had sent its next request meanwhile, which was lost (reset). Both that request and one on a connection opened
+    during the stall are answered; an idle connection is still closed after the timeout."""
+    port = free_port()
+    proc = start(["-c", _serve_script(models_dir, port, drain_s=0.0)], port)
+    try:
+        kept = http.client.HTTPConnection("127.0.0.1", port, timeout=15)
+        body, headers = '{"text": "the film"}', {"content-type": "application/json"}
+        kept.request("POST", "/classify", body, headers)
+        assert kept.getresponse().read() and kept.sock is not None  # answered, and the connection kept
+        idle = socket.create_connection(("127.0.0.1", port))
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(0.2)
+            kept.request("POST", "/classify", body, headers)  # sent on the idle kept-alive connection
+            new = _post_over_socket(port, body.encode())
+            time.sleep(6.5)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert kept.getresponse().status == 200
+        assert _status_of_answer(new) == 200
+        idle.settimeout(15)
+        assert idle.recv(65536) == b""  # no request: closed, as an idle connection is
     finally:
         code, out = stop(proc)
     assert code == 0, out
