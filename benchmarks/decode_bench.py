@@ -20,7 +20,8 @@ slows every node down, so the split is a share, not a time). Writes CSV + Markdo
     .venv/bin/python -m benchmarks.decode_bench --reference .cache/torch-form-decoder.onnx
     git show 32ac18c:models/translate-linformer/decoder.onnx > .cache/earlier-step-decoder.onnx
     .venv/bin/python -m benchmarks.decode_bench --bundle models/translate-linformer \
-        --reference .cache/earlier-step-decoder.onnx --memory 256 --spread --out benchmarks/results/decode-cross
+        --reference .cache/earlier-step-decoder.onnx --memory 256 --spread --rows 1,4,16 --cached 20,100 \
+        --out benchmarks/results/ragged-cross-session22/decode-linformer
 """
 
 from __future__ import annotations

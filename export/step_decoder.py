@@ -60,8 +60,6 @@ OPSET = 17
 IR_VERSION = 8
 STEP_INTERFACE = ("step: past_lengths, cache buffers bound as past and present (GroupQueryAttention); cross-attention "
                   "by GroupQueryAttention over cross_lengths")
-# The step form before cross-attention read per-row lengths: MultiHeadAttention with a key padding mask
-EARLIER_STEP_INTERFACE = "step: past_lengths, cache buffers bound as past and present (GroupQueryAttention)"
 
 
 def weights_of_exported_decoder(decoder_onnx: Path, d_model: int) -> tuple[dict[str, np.ndarray], dict]:
