@@ -27,6 +27,7 @@ slows every node down, so the split is a share, not a time). Writes CSV + Markdo
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -43,7 +44,7 @@ from onnx import TensorProto, helper
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from export.step_decoder import bind_cross, decoder_form  # noqa: E402
+from export.step_decoder import bind_array, bind_cross, decoder_form  # noqa: E402
 from loadtest.report import (  # noqa: E402
     agg_subplots,
     header,
@@ -91,11 +92,7 @@ class Calls:
                      np.empty((rows, config["vocab_size"]), np.float32)]  # fmt: skip
         self.keep += [np.zeros((rows, heads, config["tgt_n_max"], head_dim), np.float32) for _ in names]
         self.binding = binding = decoder.io_binding()
-
-        def bind(name: str, array: np.ndarray, output: bool = False) -> None:
-            (binding.bind_output if output else binding.bind_input)(name, "cpu", 0, array.dtype, list(array.shape),
-                                                                    array.ctypes.data)  # fmt: skip
-
+        bind = functools.partial(bind_array, binding)
         for name, array in zip(("input_ids", "past_lengths", "total_length"), self.keep, strict=False):
             bind(name, array)
         bind("logits", self.keep[3], output=True)

@@ -43,6 +43,7 @@ The command also rebuilds a decoder.onnx of the earlier step form (cross-attenti
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import shutil
@@ -196,16 +197,18 @@ def decoder_form(decoder_onnx: Path) -> str:
     return "step" if "cross_lengths" in inputs else "earlier step"
 
 
+def bind_array(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool = False) -> None:
+    """Bind a CPU array in place (no copy) as the input, or output, `name`: keep the array alive while bound."""
+    (binding.bind_output if output else binding.bind_input)(name, "cpu", 0, array.dtype, list(array.shape),
+                                                            array.ctypes.data)  # fmt: skip
+
+
 def bind_cross(decoder: ort.InferenceSession, binding: ort.IOBinding, cross: dict[str, np.ndarray],
                cross_mask: np.ndarray) -> list[np.ndarray]:  # fmt: skip
     """Bind the encoder's cross keys/values (name -> (B, H, S', hd)) and cross_mask (B, S', a prefix per row) to a
     step-form decoder: the cross caches as past and present, each row's last source key/value, the lengths and the
     longest; the earlier step form takes the mask as it is. -> the arrays bound: keep them while the binding is."""
-
-    def bind(name: str, array: np.ndarray, output: bool = False) -> None:
-        (binding.bind_output if output else binding.bind_input)(name, "cpu", 0, array.dtype, list(array.shape),
-                                                                array.ctypes.data)  # fmt: skip
-
+    bind = functools.partial(bind_array, binding)
     if "cross_mask" in {i.name for i in decoder.get_inputs()}:
         kept = [np.ascontiguousarray(a) for a in (*cross.values(), cross_mask)]
         for name, array in zip([*cross, "cross_mask"], kept, strict=True):
@@ -293,10 +296,10 @@ def step_logits(encoder, decoder, config: dict, input_ids: np.ndarray, attention
         binding.bind_cpu_input("total_length", np.array([step + 1], np.int32))
         kept = bind_cross(decoder, binding, cross, cross_mask)
         for name, cache in zip(names, caches, strict=True):
-            for role, bind in (("past", binding.bind_input), ("present", binding.bind_output)):
-                bind(name.format(role), "cpu", 0, np.float32, list(cache.shape), cache.ctypes.data)
+            bind_array(binding, name.format("past"), cache)
+            bind_array(binding, name.format("present"), cache, output=True)
         logits = np.empty((rows, config["vocab_size"]), np.float32)
-        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        bind_array(binding, "logits", logits, output=True)
         decoder.run_with_iobinding(binding)
         del kept
         out.append(logits)
