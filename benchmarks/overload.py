@@ -17,6 +17,10 @@ the rounds are averaged.
 Goals (issue #12): goodput >= 90 % of saturated throughput (mean over rounds), accepted p99 <= 3x unloaded p99
 (the phase before; every round), 0 5xx, recovery < 2 s (every round). Writes overload-<bundle>.{csv,md,png}: the
 summary and throughput/latency over time.
+
+`--storm N`: the flood is N closed-loop keep-alive clients instead, each sending its next request the moment it
+is answered, 429 or not (a client that ignores Retry-After, as wrk does, or a retry loop without a pause): the
+refusals come as fast as the server writes them. Writes overload-storm-<bundle>.*.
 """
 
 from __future__ import annotations
@@ -119,13 +123,18 @@ def best(saturation: list[dict]) -> dict:
     return max(saturation, key=lambda row: row["throughput_rps"])
 
 
-async def flood_round(server: Server, request: bytes, phases: list[tuple[float, float]]) -> tuple[list[Record], dict]:
-    """The open-loop phases, and the server's core shares during the first (the flood)."""
-    load = asyncio.create_task(open_loop(server.port, request, phases))
+async def flood_round(server: Server, request: bytes, phases: list[tuple[float, float]],
+                      storm: int = 0) -> tuple[list[Record], dict]:  # fmt: skip
+    """The open-loop phases, and the server's core shares during the first (the flood; with `storm`, that many
+    closed-loop clients instead, the open loop sending nothing meanwhile)."""
+    started = time.perf_counter()
+    load = asyncio.create_task(open_loop(server.port, request, [(phases[0][0], 0.0), *phases[1:]] if storm
+                                         else phases, started=started))  # fmt: skip
     mark = cpu_mark(server)
-    await asyncio.sleep(phases[0][0])
+    stormed = await closed_loop(server.port, request, storm, phases[0][0], started) if storm else []
+    await asyncio.sleep(max(0.0, started + phases[0][0] - time.perf_counter()))
     shares = core_shares(server, mark)
-    return await load, shares
+    return stormed + await load, shares
 
 
 def judge_round(number: int, flood: tuple[list[Record], dict], before: list[dict], after: list[dict],
@@ -189,6 +198,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="flood duration, each round")
     parser.add_argument("--rounds", type=int, default=3, help="floods, each between two saturation phases")
     parser.add_argument("--factor", type=float, default=3.0, help="flood rate / saturated throughput")
+    parser.add_argument("--storm", type=int, default=0, metavar="CLIENTS",
+                        help="flood with this many closed-loop clients that resend at once instead (see above)")
     # around the ~8 in flight at which one core saturates /classify: the best of these is the unloaded saturated
     # throughput and its p99 the unloaded p99 (with 32 or 64 clients the p99 only measures queueing, and 3x of it is no
     # bound); /translate's request-level batches grow to 32 sentences, and its throughput with them (16 clients: 302-398
@@ -214,7 +225,7 @@ def main() -> None:
         rss = [server.rss_mb()]
         for number in range(1, args.rounds + 1):
             phases = [(args.seconds, flood_rate), (CALM_PHASE_S, calm_rate)]
-            floods.append(asyncio.run(flood_round(server, request, phases)))
+            floods.append(asyncio.run(flood_round(server, request, phases, args.storm)))
             rss.append(server.rss_mb())
             when = f"after round {number}" + (f", before round {number + 1}" if number < args.rounds else "")
             saturations.append(saturation_run(server, request, concurrencies, when))
@@ -235,14 +246,16 @@ def main() -> None:
         ("5xx and transport errors, all rounds", float(failures), "0", failures == 0),
         ("recovery after the flood (s), worst round", None if not recovered else max(recoveries), "< 2", recovered),
     ]  # fmt: skip
-    stem = args.stem or f"overload-{args.bundle}"
+    stem = args.stem or f"overload-{'storm-' if args.storm else ''}{args.bundle}"
+    flood = (f"{args.storm} closed-loop clients resending at once" if args.storm else
+             f"{args.factor:g}x flood ({flood_rate:.0f} req/s open loop)")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{stem}.csv", [{"round": judged["round"], **row} for judged in rounds
                                          for row in judged["windows"]])  # fmt: skip
     plot(rounds, args.seconds, args.out / f"{stem}.png",
-         f"{args.bundle}: {args.factor:g}x flood ({flood_rate:.0f} req/s open loop) for {args.seconds:g} s, then "
+         f"{args.bundle}: {flood} for {args.seconds:g} s, then "
          f"{calm_rate:.0f} req/s for {CALM_PHASE_S:g} s; {args.rounds} rounds")  # fmt: skip
-    lines = header(f"Overload: {args.bundle} under a {args.factor:g}x flood", ("onnxruntime", "fastapi", "uvicorn"),
+    lines = header(f"Overload: {args.bundle} under {flood}", ("onnxruntime", "fastapi", "uvicorn"),
                    load_before)  # fmt: skip
     lines += [
         "Server: `python -m service` pinned to core 0 (`taskset -c 0`), 1 ORT thread, settings at their defaults "
@@ -251,8 +264,9 @@ def main() -> None:
         "jobs (load average above), so absolute rates move from run to run; the ratios compare figures from "
         "this one run.",
         "",
-        f"{args.rounds} rounds of a flood at {flood_rate:.0f} req/s open loop ({args.factor:g}x the first saturated "
-        f"throughput) for {args.seconds:g} s, then {calm_rate:.0f} req/s for {CALM_PHASE_S:g} s (recovery), with an "
+        f"{args.rounds} rounds of a flood ({flood}" + ("; each sends its next request the moment it is answered, "
+        "429 or not" if args.storm else f", {args.factor:g}x the first saturated throughput") + f") for "
+        f"{args.seconds:g} s, then {calm_rate:.0f} req/s for {CALM_PHASE_S:g} s (recovery), with an "
         "unloaded saturation phase (closed loop, 8 s at each concurrency) before the first round and after each: "
         "each round's goodput is divided by the mean saturated throughput of the phases right before and after it, "
         "so that a drift of the shared core's speed (22 % within seconds for the model alone on some VMs) falls on "

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TextIO
+from typing import Any, TextIO
 
 import uvicorn
 from fastapi import FastAPI
@@ -147,6 +147,20 @@ class _Refused:
 _REFUSED = _Refused()
 
 
+class _HeldRefusal:
+    """Stands in for uvicorn's RequestResponseCycle of a refusal whose answer is held back (the refusals' rate
+    limit, RequestContextMiddleware.refusal_delay): not complete, so uvicorn queues a request pipelined behind it
+    and its graceful shutdown waits for it (clearing `keep_alive`); the refused request's body is dropped."""
+
+    response_complete = False
+
+    def __init__(self, keep_alive: bool):
+        self.keep_alive = keep_alive
+        self.message_event = asyncio.Event()  # uvicorn's parser callbacks set it; nobody waits on it
+
+    body = property(lambda self: b"", lambda self, _body: None)  # (uvicorn appends the body it reads to it)
+
+
 def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, except that a POST to a task route is admitted (its slot taken) or refused as
     soon as its headers are parsed, and a refusal answered there, before uvicorn builds the request's scope path,
@@ -244,11 +258,28 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
                 if decision is not None:  # ADMIT (its slot taken) or WAIT: the middleware goes on from there
                     self.scope[ADMISSION_SCOPE_KEY] = decision
                 return
+            keep_alive = self.parser.should_keep_alive() and self.parser.get_http_version() != "1.0"
+            delay = context.refusal_delay() if keep_alive and not app.state.service.draining else 0.0
+            if delay > 0:  # a client resending at once gets its next refusal no sooner: nothing read meanwhile
+                self.cycle = held = _HeldRefusal(keep_alive)
+                self.flow.pause_reading()
+                self.loop.call_later(delay, self._answer_held, held, self.url, self.headers, self.client)
+                return
             self.cycle = _REFUSED  # its body, if any, is read and dropped
             self.transport.write(context.refusal(self.url, self.headers, self.client))
-            keep_alive = self.parser.should_keep_alive() and self.parser.get_http_version() != "1.0"
             if keep_alive and not app.state.service.draining:
                 self.on_response_complete()
+            else:
+                self.transport.close()
+
+        def _answer_held(self, held: _HeldRefusal, *request: Any) -> None:
+            """A held refusal's answer (written as it would be now: a drain begun meanwhile closes the connection)."""
+            if self.transport.is_closing():  # the client left, or the server closed it
+                return
+            self.transport.write(app.request_context.refusal(*request))
+            held.response_complete = True
+            if held.keep_alive and not app.state.service.draining:
+                self.on_response_complete()  # reads again (uvicorn's flow control), or starts a pipelined request
             else:
                 self.transport.close()
 

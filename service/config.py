@@ -89,6 +89,13 @@ class Settings(BaseSettings):
     # of 16 computed while new arrivals waited for it to end, and the model idled between batches; 32 lets the next
     # batch queue while one computes (3x floods: 254-358 translations/s answered with 16, 396-462 with 32).
     translate_shed_concurrent_requests: int = Field(32, ge=1)
+    # Refusals (429 at admission) answered per second, all routes together; beyond it (and a burst of a tenth of a
+    # second's worth) a refusal is held back, its connection unread, and answered when the rate allows. Clients that
+    # resend the moment they are refused (ignoring Retry-After) then get at most this many refusals a second, not
+    # as many as the event loop can write: 1,500 of them had it write ~26,000 a second at 0.85-0.95 of the core and
+    # the model answer 0.05-0.15 of its unloaded throughput; 0.72-0.93 with this limit (2,000 a second: ~5-10 % of
+    # one core; a 3x open-loop flood here refuses about as many) (benchmarks/results/refusal-storm/). 0: no limit.
+    max_refusals_per_s: int = Field(2000, ge=0)
 
     # SIGTERM: /readyz turns 503 at once and answers carry `Connection: close` for this long, so load
     # balancers and keep-alive clients move away; then the server stops accepting, finishes what it

@@ -60,6 +60,12 @@ class Metrics:
             "nothing computed, logged as 499) or deadline (504)",
             ["route", "reason"], registry=r,
         )
+        self.held_refusals = Counter(
+            "linformer_held_refusals",
+            "Refusals at admission answered late, their connection unread meanwhile: past LINFORMER_MAX_REFUSALS_PER_S "
+            "(clients resending the moment they are refused)",
+            registry=r,
+        )
 
         # (metric, label values) -> bound child: `.labels()` takes a lock and builds a key on every call
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}

@@ -57,6 +57,12 @@ FLOOD_WINDOWS = 2
 SHED_CALM_S = 0.25
 
 
+# Refusals answered at once beyond the rate limit (`max_refusals_per_s`), in seconds of it: a burst of refusals, a
+# flood's first moment or a stall's pile, is answered at once; a sustained stream faster than the limit is held.
+REFUSAL_BURST_S = 0.1
+REFUSAL_TICK_S = 0.02  # held refusals are answered at multiples of this (monotonic clock), a tick's worth at a time
+
+
 class Admission(Enum):
     ADMIT = "admit"
     WAIT = "wait"
@@ -248,6 +254,8 @@ class RequestContextMiddleware:
         # says the backlog clears in about that long, which is what Retry-After tells a refused client
         self._latency_s = dict.fromkeys(TASK_PATHS, 0.0)
         self._new_ids = _request_ids()
+        self._refusal_interval_s = 1 / settings.max_refusals_per_s if settings.max_refusals_per_s else 0.0
+        self._next_refusal_at = -math.inf  # when the refusals' rate limit lets the next one be answered
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -405,6 +413,23 @@ class RequestContextMiddleware:
         return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                 b"retry-after: %d\r\nx-request-id: %s\r\n%s\r\n%s%s%s"
                 % (body_length, self._refuse(task), encoded_id, close, before_id, encoded_id, after_id))  # fmt: skip
+
+    def refusal_delay(self) -> float:
+        """How long to hold a refusal at admission before answering it (0.0: answer it now). Refusals are answered
+        at most `max_refusals_per_s` a second, beyond a burst of REFUSAL_BURST_S' worth, the held ones in the order
+        refused. Clients that resend the moment they are refused (ignoring Retry-After) otherwise get refusals as
+        fast as the event loop can write them, and the model, fed by that loop, starves (Settings)."""
+        if not self._refusal_interval_s:
+            return 0.0
+        now = time.monotonic()
+        at = max(now, self._next_refusal_at)
+        self._next_refusal_at = at + self._refusal_interval_s
+        if at - now <= REFUSAL_BURST_S:
+            return 0.0
+        self.metrics.held_refusals.inc()
+        # answered on the next tick after its turn: the held refusals of a tick go out in one turn of the event loop,
+        # which otherwise woke for each one, taking the core from the model thousands of times a second
+        return math.ceil((at - REFUSAL_BURST_S) / REFUSAL_TICK_S) * REFUSAL_TICK_S - now
 
     def malformed(self, message: str, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | None) -> bytes:
         """The whole HTTP/1.1 answer to a request uvicorn's parser could not read (`message` is uvicorn's reason),

@@ -428,6 +428,79 @@ def test_under_uvicorn_a_refusal_at_admission_is_a_complete_429_and_the_connecti
     assert code == 0, out
 
 
+def test_refusals_past_their_rate_limit_are_held_so_clients_resending_at_once_are_slowed(models_dir):
+    """A client that resends the moment it is refused gets its refusals no faster than max_refusals_per_s (beyond a
+    tenth of a second's burst) from all clients together: each one held is answered later, in order, on its
+    connection. Without the limit four such clients got thousands a second. A request pipelined behind a held
+    refusal is answered after it."""
+    port = free_port()
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from conftest import SlowRuntime, make_settings
+        from service.__main__ import serve
+        from service.app import create_app
+        settings = make_settings({str(models_dir)!r}, translate_model="", port={port}, max_concurrent_requests=1,
+                                 max_waiting_requests=0, max_refusals_per_s=20)
+        serve(create_app(settings, wrap_runtime=lambda runtime: SlowRuntime(runtime, 4.0)), settings)
+    """)
+    proc = start(["-c", script], port)
+    body = b'{"text": "the film"}'
+    request = (b"POST /classify HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\nx-request-id: %s\r\n"
+               b"content-length: %d\r\n\r\n%s")  # fmt: skip
+    try:
+        busy = threading.Thread(target=lambda: httpx.post(f"http://127.0.0.1:{port}/classify", content=body,
+                                                          timeout=30))  # fmt: skip
+        busy.start()  # holds the one slot for 4 s: every request below is refused
+        time.sleep(0.5)
+        refused = []
+
+        def resend_at_once(seconds: float) -> None:
+            with socket.create_connection(("127.0.0.1", port)) as conn, conn.makefile("rb") as reader:
+                stop_at = time.monotonic() + seconds
+                while time.monotonic() < stop_at:
+                    conn.sendall(request % (b"storm", len(body), body))
+                    status = int(reader.readline().split()[1])
+                    length = 0
+                    while (line := reader.readline()) != b"\r\n":
+                        name, _, value = line.partition(b":")
+                        length = int(value) if name.lower() == b"content-length" else length
+                    reader.read(length)
+                    refused.append((status, time.monotonic()))
+
+        started = time.monotonic()
+        clients = [threading.Thread(target=resend_at_once, args=(1.5,)) for _ in range(4)]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join()
+        assert {status for status, _ in refused} == {429}
+        answered_in_time = sum(at <= started + 1.5 for _, at in refused)
+        assert 10 <= answered_in_time <= 20 * 1.5 + 2 + 4, refused  # the rate, the burst, a tick's slack
+
+        with socket.create_connection(("127.0.0.1", port)) as conn:  # two requests in one write, refused in order
+            conn.sendall(request % (b"first", len(body), body) + request % (b"second", len(body), body))
+            answers = _answer_until_closed_or(conn, b"second", timeout_s=10)
+        assert answers.count(b"HTTP/1.1 429") == 2
+        assert answers.index(b"x-request-id: first") < answers.index(b"x-request-id: second")
+        assert _metric(f"http://127.0.0.1:{port}", "linformer_held_refusals_total") >= answered_in_time - 2 - 4
+        busy.join()
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
+
+
+def _answer_until_closed_or(conn: socket.socket, last: bytes, timeout_s: float) -> bytes:
+    """What the server sends until its answers include `last` (a request id) and a complete body after it."""
+    conn.settimeout(timeout_s)
+    answers = b""
+    while not (last in answers and answers.endswith(b"}")):
+        chunk = conn.recv(65536)
+        assert chunk, answers
+        answers += chunk
+    return answers
+
+
 def _serve_script(models_dir: Path, port: int, **settings) -> str:
     """A served process (uvicorn, our protocol) whose settings are make_settings' plus `settings`."""
     return textwrap.dedent(f"""
