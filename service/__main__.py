@@ -273,15 +273,17 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
                 self.transport.close()
 
         def _answer_held(self, held: _HeldRefusal, *request: Any) -> None:
-            """A held refusal's answer (written as it would be now: a drain begun meanwhile closes the connection)."""
+            """A held refusal's answer, as it would be now: the server stopping or draining meanwhile (uvicorn's
+            shutdown clears `keep_alive`) closes the connection after it."""
             if self.transport.is_closing():  # the client left, or the server closed it
                 return
-            self.transport.write(app.request_context.refusal(*request))
+            closing = not held.keep_alive or app.state.service.draining
+            self.transport.write(app.request_context.refusal(*request, closing=closing))
             held.response_complete = True
-            if held.keep_alive and not app.state.service.draining:
-                self.on_response_complete()  # reads again (uvicorn's flow control), or starts a pipelined request
-            else:
+            if closing:
                 self.transport.close()
+            else:
+                self.on_response_complete()  # reads again (uvicorn's flow control), or starts a pipelined request
 
         def send_400_response(self, msg: str) -> None:
             """What the parser could not read gets the service's error shape, not uvicorn's text/plain line."""

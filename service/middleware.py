@@ -397,15 +397,17 @@ class RequestContextMiddleware:
         task = _TASK_TARGETS.get(target)
         return None if task is None else self.admission[task].arrive()
 
-    def refusal(self, target: bytes, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | None) -> bytes:
+    def refusal(self, target: bytes, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | None,
+                closing: bool = False) -> bytes:  # fmt: skip
         """The whole HTTP/1.1 answer refusing a POST to `target` (a task route) that `arrive_at_headers` refused:
         a 429 under a flood skips uvicorn's request cycle, the ASGI task, the ASGI layers and the response
-        machinery, since it is the one answer the server gives most often then."""
+        machinery, since it is the one answer the server gives most often then. `closing`: the connection closes
+        after it (as it does while the server drains)."""
         task = _TASK_TARGETS[target]
         request_id = self._request_id(headers)
         before_id, after_id = self._refusal_bodies[task, self.admission[task].shedding]
         body_length = len(before_id) + len(request_id) + len(after_id)
-        close = b"connection: close\r\n" if self.state.draining else b""
+        close = b"connection: close\r\n" if closing or self.state.draining else b""
         self.metrics.child(self.metrics.requests, task, "429").inc()
         access_log.info("request_id=%s method=POST path=%s status=429 duration_ms=0.00 client=%s",
                         request_id, task, (client or ("-", 0))[0])  # fmt: skip
