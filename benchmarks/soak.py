@@ -8,13 +8,16 @@ an open-loop rate of `fraction` x that runs for `--minutes`, with the server's R
 (issue #12): 0 failures (anything but 200), RSS growth < 5 % from the end of the first minute (warm-up) to the
 end. After the soak, `--backlog-rounds` pairs of closed-loop phases, 16 clients and then 1,100 on /classify (its burst
 limit and most of the waiting room: a standing backlog), 8 s each: whether a backlog is served slower than an unloaded
-saturation on this machine, which would keep a backlog once formed. Writes soak-<bundle>.{csv,md,png}.
+saturation on this machine, which would keep a backlog once formed. Each 5-s window also records the server's share of
+core 0 and the hypervisor's (steal, from /proc/stat): whether a window that fell behind had less of the core. Writes
+soak-<bundle>.{csv,md,png}.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,6 +50,12 @@ SAMPLE_S = 5.0
 WARM_UP_S = 60.0
 
 
+def core_0_steal_s() -> float:
+    """Seconds the hypervisor ran something else while core 0 (the server's) wanted to run: /proc/stat's steal."""
+    fields = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("cpu0 ")).split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
 def backlog_clients(task: str) -> tuple[int, int]:
     """Closed-loop clients that keep a backlog standing on a task's route without a refusal: its default burst limit
     and most of the default waiting room (1,100 for /classify's 128 + 1,024); -> (clients, burst limit)."""
@@ -75,6 +84,7 @@ def main() -> None:
     seconds = args.minutes * 60
     rss: list[tuple[float, float]] = []
     loads: list[tuple[float, float]] = []
+    cpu: list[tuple[float, float, float]] = []  # (t, server CPU seconds, core 0's steal seconds)
     try:
         asyncio.run(closed_loop(port, request, 8, 3.0))  # warm-up
         saturation = []
@@ -88,11 +98,10 @@ def main() -> None:
             started = time.perf_counter()
 
             async def sample() -> None:
-                import os
-
                 while True:
                     rss.append((time.perf_counter() - started, server.rss_mb()))
                     loads.append((time.perf_counter() - started, os.getloadavg()[0]))
+                    cpu.append((time.perf_counter() - started, sum(server.cpu_s()), core_0_steal_s()))
                     await asyncio.sleep(SAMPLE_S)
 
             sampler = asyncio.create_task(sample())
@@ -116,10 +125,15 @@ def main() -> None:
         ok = [r.latency_s for r in inside if r.status == 200]
         rss_now = next((mb for t, mb in rss if t >= lo), rss[-1][1])
         load_now = next((la for t, la in loads if t >= lo), loads[-1][1] if loads else None)
+        # the server's and the hypervisor's shares of core 0 from this window's sample to the next
+        first, then = next(((a, b) for a, b in zip(cpu, cpu[1:], strict=False) if a[0] >= lo), (None, None))
+        shares = ((then[1] - first[1]) / (then[0] - first[0]), (then[2] - first[2]) / (then[0] - first[0])) \
+            if first else (None, None)
         rows.append({"t_s": lo, "ok_rps": len(ok) / SAMPLE_S, "failures": len(inside) - len(ok),
                      "p50_ms": percentile(ok, 50) * 1000 if ok else None,
                      "p99_ms": percentile(ok, 99) * 1000 if ok else None, "rss_mb": rss_now,
-                     "load_average_1min": load_now, "peak_in_flight": peaks.get(i, 0),
+                     "load_average_1min": load_now, "server_cpu_share": shares[0], "core_0_steal_share": shares[1],
+                     "peak_in_flight": peaks.get(i, 0),
                      "generator_lag_max_ms": max((r.lag_s for r in inside), default=0) * 1000})  # fmt: skip
     failures = sum(r.status != 200 for r in records)
     statuses = sorted({r.status for r in records if r.status != 200})
@@ -153,6 +167,7 @@ def main() -> None:
         f"{percentile([row['peak_in_flight'] for row in rows], 50):.0f}. The generator's own delay in sending: p99 "
         f"{percentile(lags, 99) * 1000:.1f} ms, max {max(lags) * 1000:.1f} ms (per window in the CSV).",
         "",
+        *core_0_lines(rows),
         "| goal | measured | target | met |",
         "|---|---|---|---|",
         f"| failures (not 200) | {failures}{' (statuses ' + ', '.join(map(str, statuses)) + ')' if statuses else ''}"
@@ -167,6 +182,22 @@ def main() -> None:
         "",
     ]  # fmt: skip
     write_markdown(args.out / f"{stem}.md", lines)
+
+
+def core_0_lines(rows: list[dict]) -> list[str]:
+    """Whether the windows that fell behind had less of the core: the server's CPU share and the hypervisor's steal
+    of core 0 (/proc/stat), median over the windows with a failure or over 100 in flight, and over the others."""
+    def medians(group: list[dict]) -> str:
+        server = [row["server_cpu_share"] for row in group if row["server_cpu_share"] is not None]
+        steal = [row["core_0_steal_share"] for row in group if row["core_0_steal_share"] is not None]
+        if not server:
+            return "no sample"
+        return (f"the server's CPU {percentile(server, 50):.2f} of core 0, steal {percentile(steal, 50):.3f} "
+                f"(max {max(steal):.3f}) in {len(group)} windows")
+    behind = [row for row in rows if row["failures"] or row["peak_in_flight"] > 100]
+    others = [row for row in rows if row not in behind]
+    return [f"Core 0 per 5-s window (medians; the CSV has each): behind (a failure or over 100 in flight): "
+            f"{medians(behind) if behind else 'none'}; the others: {medians(others) if others else 'none'}.", ""]
 
 
 def backlog_section(rows: list[dict], task: str) -> list[str]:
