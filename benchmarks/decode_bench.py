@@ -44,7 +44,7 @@ from onnx import TensorProto, helper
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from export.step_decoder import bind_array, bind_cross, decoder_form  # noqa: E402
+from export.step_decoder import bind_cross, decoder_form  # noqa: E402
 from loadtest.report import (  # noqa: E402
     agg_subplots,
     header,
@@ -54,6 +54,7 @@ from loadtest.report import (  # noqa: E402
     write_csv,
     write_markdown,
 )
+from service.runtime import bind_array  # noqa: E402
 
 
 def session(path: Path, *, profile: bool = False, optimized: Path | None = None) -> ort.InferenceSession:

@@ -56,6 +56,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from export.ctranslate2 import graph_facts
+from service.runtime import TranslatorRuntime, bind_array
 
 OPSET = 17
 IR_VERSION = 8
@@ -197,12 +198,6 @@ def decoder_form(decoder_onnx: Path) -> str:
     return "step" if "cross_lengths" in inputs else "earlier step"
 
 
-def bind_array(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool = False) -> None:
-    """Bind a CPU array in place (no copy) as the input, or output, `name`: keep the array alive while bound."""
-    (binding.bind_output if output else binding.bind_input)(name, "cpu", 0, array.dtype, list(array.shape),
-                                                            array.ctypes.data)  # fmt: skip
-
-
 def bind_cross(decoder: ort.InferenceSession, binding: ort.IOBinding, cross: dict[str, np.ndarray],
                cross_mask: np.ndarray) -> list[np.ndarray]:  # fmt: skip
     """Bind the encoder's cross keys/values (name -> (B, H, S', hd)) and cross_mask (B, S', a prefix per row) to a
@@ -314,7 +309,6 @@ def check_step_parity(bundle: Path, reference_decoder: Path, sources: list[list[
     decoder it was built from (the torch form, or the earlier step form), on `sources` (token ids with EOS),
     batched alike."""
     from service.batcher import pad
-    from service.runtime import TranslatorRuntime
 
     config = json.loads((bundle / "config.json").read_text())
     encoder = _session(bundle / "encoder.onnx")

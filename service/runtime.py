@@ -123,6 +123,14 @@ class ClassifierRuntime:
         return logits
 
 
+def bind_array(binding: ort.IOBinding, name: str, array: np.ndarray, output: bool = False,
+               shape: list[int] | None = None) -> None:  # fmt: skip
+    """Bind a CPU array in place (no copy) as the input, or output, `name`, as `shape` (a view of its first rows; None:
+    its own shape): keep the array alive while bound."""
+    (binding.bind_output if output else binding.bind_input)(name, "cpu", 0, array.dtype, shape or list(array.shape),
+                                                            array.ctypes.data)  # fmt: skip
+
+
 def probabilities(logits: np.ndarray) -> list[list[float]]:
     """Softmax per row, as Python floats: done once per batch here, not once per text in the event loop."""
     shifted = np.exp(logits.astype(np.float64) - logits.max(axis=-1, keepdims=True))
@@ -355,9 +363,7 @@ class _DecodeBuffers:
 
         def put(name: str, array: np.ndarray, output: bool = False) -> None:
             whole = array is self.total_length or array is self.cross_total
-            shape = list(array.shape) if whole else [n, *array.shape[1:]]
-            bind = binding.bind_output if output else binding.bind_input
-            bind(name, "cpu", 0, array.dtype, shape, array.ctypes.data)
+            bind_array(binding, name, array, output, shape=None if whole else [n, *array.shape[1:]])
 
         put("input_ids", self.tokens)
         put("past_lengths", self.lengths)
