@@ -153,11 +153,8 @@ class _HeldRefusal:
     and its graceful shutdown waits for it (clearing `keep_alive`); the refused request's body is dropped."""
 
     response_complete = False
-
-    def __init__(self, keep_alive: bool):
-        self.keep_alive = keep_alive
-        self.message_event = asyncio.Event()  # uvicorn's parser callbacks set it; nobody waits on it
-
+    keep_alive = True  # (only keep-alive refusals are held; uvicorn's shutdown sets it False on the instance)
+    message_event = asyncio.Event()  # uvicorn's parser callbacks set it; nobody waits on it
     body = property(lambda self: b"", lambda self, _body: None)  # (uvicorn appends the body it reads to it)
 
 
@@ -258,16 +255,17 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
                 if decision is not None:  # ADMIT (its slot taken) or WAIT: the middleware goes on from there
                     self.scope[ADMISSION_SCOPE_KEY] = decision
                 return
-            keep_alive = self.parser.should_keep_alive() and self.parser.get_http_version() != "1.0"
-            delay = context.refusal_delay() if keep_alive and not app.state.service.draining else 0.0
+            keep_alive = (self.parser.should_keep_alive() and self.parser.get_http_version() != "1.0"
+                          and not app.state.service.draining)  # fmt: skip
+            delay = context.refusal_delay() if keep_alive else 0.0
             if delay > 0:  # a client resending at once gets its next refusal no sooner: nothing read meanwhile
-                self.cycle = held = _HeldRefusal(keep_alive)
+                self.cycle = held = _HeldRefusal()
                 self.flow.pause_reading()
                 self.loop.call_later(delay, self._answer_held, held, self.url, self.headers, self.client)
                 return
             self.cycle = _REFUSED  # its body, if any, is read and dropped
             self.transport.write(context.refusal(self.url, self.headers, self.client))
-            if keep_alive and not app.state.service.draining:
+            if keep_alive:
                 self.on_response_complete()
             else:
                 self.transport.close()
