@@ -3,7 +3,8 @@
 SIGTERM starts a drain: /readyz answers 503 at once and every answer carries `Connection: close`, for
 `drain_s` seconds, while the server keeps serving (a load balancer needs a moment to notice, and keep-alive
 clients learn from the header to reconnect elsewhere rather than racing a closing socket). Then the server stops
-accepting connections (`DrainingServer.stop_handshakes`) and, for LAST_CALL_S more, still answers what the
+accepting connections (`DrainingServer.stop_handshakes`; the listeners close once the loop has accepted what the
+kernel had queued) and, for LAST_CALL_S more, still answers what the
 connections it has send (each answer closes its connection), so that a client that connected just before is
 answered rather than cut off. Then uvicorn closes the idle connections, lets accepted requests finish (at most
 `request_timeout_s`, their deadline), the batchers finish their queues, and the process exits 0. A second
@@ -17,6 +18,7 @@ import os
 import resource
 import signal
 import socket
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -43,6 +45,12 @@ log = logging.getLogger("service")
 # lost requests that way (a read error, where a refused connection would have told them that nothing was sent;
 # `benchmarks/drain.py --one-replica`, benchmarks/results/reliability-session16/).
 LAST_CALL_S = 0.5
+
+# Between the backlog's going to 0 and the listeners' closing, the loop accepts the connections the kernel had
+# already completed; closing a listener resets whatever is still in its accept queue (and the requests clients
+# sent on those). It closes once the queues are empty, or this long after the drain ended.
+ACCEPT_QUEUE_WAIT_S = 1.0
+TCP_INFO_BYTES, TCPI_UNACKED_OFFSET = 104, 24  # struct tcp_info: 8 one-byte fields, then u32 rto, ato, mss x2, unacked
 
 # A keep-alive timer that fires this much after it was due was held up by a stalled process (stopped, or its core
 # taken for seconds), not by an idle client: see AdmittingHttpToolsProtocol.timeout_keep_alive_handler.
@@ -96,7 +104,9 @@ class DrainingServer(uvicorn.Server):
         if self.drain_ends is not None and now >= self.drain_ends and not self.handshakes_stopped:
             self.stop_handshakes()
             self.handshakes_stopped = True
-        elif self.handshakes_stopped and self.last_call_ends is None:  # a tick later
+        elif self.handshakes_stopped and self.last_call_ends is None and (
+            now >= self.drain_ends + ACCEPT_QUEUE_WAIT_S or not any(map(accept_queue_length, self.listening()))
+        ):  # a tick later, once the loop has accepted what the kernel had queued
             for server in self.servers:  # uvicorn's shutdown closes them again, harmlessly
                 server.close()
             self.last_call_ends = now + LAST_CALL_S
@@ -110,10 +120,22 @@ class DrainingServer(uvicorn.Server):
         already queued. Closed at once instead, the socket would reset its queued connections, whose clients
         think them open and may have sent a request on them (requests still lost with the last call alone, in
         development runs of `benchmarks/drain.py --one-replica`)."""
-        for server in self.servers:
-            for listening in server.sockets:
-                with socket.socket(fileno=os.dup(listening.fileno())) as same:
-                    same.listen(0)
+        for listening in self.listening():
+            with socket.socket(fileno=os.dup(listening.fileno())) as same:
+                same.listen(0)
+
+    def listening(self) -> list:
+        return [listening for server in self.servers for listening in server.sockets]
+
+
+def accept_queue_length(listening: Any) -> int:
+    """Connections the kernel has completed on a listening socket and the server not yet accepted (Linux: TCP_INFO's
+    `tcpi_unacked` holds the accept queue's length on a listening socket); 0 where that cannot be read."""
+    try:
+        info = listening.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
+    except (OSError, AttributeError):
+        return 0
+    return struct.unpack_from("I", info, TCPI_UNACKED_OFFSET)[0] if len(info) >= TCPI_UNACKED_OFFSET + 4 else 0
 
 
 def _quiet_startup_refusal(app: FastAPI):
