@@ -238,16 +238,9 @@ def main_compose(args: argparse.Namespace) -> None:
         "",
         "| runs | requests lost (total) | runs with a loss | replica exited 0 | stop -> exit |",
         "|---|---|---|---|---|",
-        f"| {len(rows)} | {sum(r['lost'] for r in rows)} | {sum(r['lost'] > 0 for r in rows)} | "
-        f"{sum(r['exit_code'] == 0 for r in rows)}/{len(rows)} | "
-        f"{min(r['stop_to_exit_s'] for r in rows):.1f}-{max(r['stop_to_exit_s'] for r in rows):.1f} s |",
-        "",
-        *markdown_table(rows, columns),
-        "",
-        f"![requests lost per run]({name}.png)",
-        "",
+        f"| {summary_cells(rows, 'stop_to_exit_s')}",
     ]  # fmt: skip
-    write_markdown(args.out / f"{name}.md", lines)
+    write_report(args.out / f"{name}.md", lines, rows, columns)
 
 
 def main() -> None:
@@ -312,17 +305,22 @@ def main() -> None:
         "",
         "| LINFORMER_DRAIN_S | runs | requests lost (total) | runs with a loss | A exited 0 | SIGTERM -> exit |",
         "|---|---|---|---|---|---|",
-        *[f"| {drain:g} | {len(group)} | {sum(r['lost'] for r in group)} | {sum(r['lost'] > 0 for r in group)} | "
-          f"{sum(r['exit_code'] == 0 for r in group)}/{len(group)} | "
-          f"{min(r['sigterm_to_exit_s'] for r in group):.1f}-{max(r['sigterm_to_exit_s'] for r in group):.1f} s |"
-          for drain, group in by_drain.items()],
-        "",
-        *markdown_table(rows, columns),
-        "",
-        f"![requests lost per run]({name}.png)",
-        "",
+        *[f"| {drain:g} | {summary_cells(group, 'sigterm_to_exit_s')}" for drain, group in by_drain.items()],
     ]  # fmt: skip
-    write_markdown(args.out / f"{name}.md", lines)
+    write_report(args.out / f"{name}.md", lines, rows, columns)
+
+
+def summary_cells(group: list[dict], exit_s: str) -> str:
+    """Runs, requests lost, runs with a loss, exits 0 and the signal-to-exit range, as the cells of a table row."""
+    return (f"{len(group)} | {sum(r['lost'] for r in group)} | {sum(r['lost'] > 0 for r in group)} | "
+            f"{sum(r['exit_code'] == 0 for r in group)}/{len(group)} | "
+            f"{min(r[exit_s] for r in group):.1f}-{max(r[exit_s] for r in group):.1f} s |")  # fmt: skip
+
+
+def write_report(path: Path, lines: list[str], rows: list[dict], columns: dict[str, str]) -> None:
+    """The summary `lines`, then every run's row and the plot (saved beside it as the same name .png)."""
+    write_markdown(path, [*lines, "", *markdown_table(rows, columns), "",
+                          f"![requests lost per run]({path.stem}.png)", ""])  # fmt: skip
 
 
 def plot(rows: list[dict], path: Path, clients: int) -> None:
