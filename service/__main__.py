@@ -125,6 +125,7 @@ class DrainingServer(uvicorn.Server):
                 same.listen(0)
 
     def listening(self) -> list:
+        """The listening sockets of every server uvicorn started (one per bound address)."""
         return [listening for server in self.servers for listening in server.sockets]
 
 
