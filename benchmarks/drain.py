@@ -122,6 +122,11 @@ COMPOSE = ["docker-compose"]  # v1.29 here (Debian's); `docker compose` (v2) rea
 SERVICE, BALANCER_PORT, STATS = "linformer", 8000, "http://127.0.0.1:8404/;csv"
 
 
+def scale(replicas: int) -> list[str]:
+    """The compose arguments that scale the deployment alone: compose stops (and removes) what it scales away."""
+    return ["up", "-d", "--no-deps", "--no-recreate", "--scale", f"{SERVICE}={replicas}", SERVICE]
+
+
 def compose(*args: str) -> None:
     subprocess.run([*COMPOSE, *args], cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -137,7 +142,7 @@ def balancer_servers_up() -> int:
 
 def scale_to(replicas: int, timeout_s: float = 180) -> None:
     """Scale the deployment and wait until the balancer sends to exactly that many replicas."""
-    compose("up", "-d", "--no-deps", "--no-recreate", "--scale", f"{SERVICE}={replicas}", SERVICE)
+    compose(*scale(replicas))
     deadline = time.monotonic() + timeout_s
     while balancer_servers_up() != replicas:
         if time.monotonic() > deadline:
@@ -185,14 +190,13 @@ async def compose_run(clients: int, request: bytes) -> dict:
     tasks = [asyncio.create_task(client()) for _ in range(clients)]
     await asyncio.sleep(2.0)
     stop_at = time.perf_counter()
-    scale = await asyncio.create_subprocess_exec(
-        *COMPOSE, "up", "-d", "--no-deps", "--no-recreate", "--scale", f"{SERVICE}=1", SERVICE, cwd=REPO,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)  # fmt: skip
+    scaling = await asyncio.create_subprocess_exec(*COMPOSE, *scale(1), cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
+                                                   stderr=asyncio.subprocess.DEVNULL)  # fmt: skip
     name, _, exit_code = (await events.stdout.readline()).decode().strip().partition(" ")
     exit_s = time.perf_counter() - stop_at
     events.terminate()
     await events.wait()
-    await scale.wait()
+    await scaling.wait()
     await asyncio.sleep(1.0)
     stop.set()
     await asyncio.gather(*tasks)
