@@ -96,6 +96,11 @@ class Settings(BaseSettings):
     # the model answer 0.05-0.15 of its unloaded throughput; 0.72-0.93 with this limit (2,000 a second: ~5-10 % of
     # one core; a 3x open-loop flood here refuses about as many) (benchmarks/results/refusal-storm/). 0: no limit.
     max_refusals_per_s: int = Field(2000, ge=0)
+    # ... or this many per request the routes completed a second, if that allows more: a fixed rate held the refusals
+    # of a 3x flood on a faster machine (an AMD EPYC: ~2,400 a second beside ~1,100 answers), and its clients'
+    # connections with them, which put their next requests seconds late (p99 4 s, benchmarks/results/
+    # reliability-session25/). A 3x flood refuses about 2 per completion; refusing costs ~1/20 of a completion's CPU.
+    refusals_per_completion: float = Field(3.0, ge=0)
 
     # SIGTERM: /readyz turns 503 at once and answers carry `Connection: close` for this long, so load
     # balancers and keep-alive clients move away; then the server stops accepting, finishes what it

@@ -99,6 +99,7 @@ class RouteAdmission:
         self.waiting: deque[asyncio.Future[Admission]] = deque()  # ADMIT (in_flight counts it), REFUSE or EXPIRED
         self._window_end = -math.inf
         self._arrivals = self._completions = 0
+        self.completed_per_s = 0.0  # in the last window that ended (refusal_delay's limit grows with it)
         self._found_full = False  # an arrival in this window found no free slot
         self._flooded_windows = 0  # in a row, up to the last one
         self._last_flooded_end = -math.inf
@@ -179,6 +180,7 @@ class RouteAdmission:
                     self.on_shed(self.shed_limit)
             elif self.shedding and now - self._last_flooded_end >= SHED_CALM_S:
                 self.shedding = False
+            self.completed_per_s = self._completions / max(FLOOD_WINDOW_S, now - self._window_end + FLOOD_WINDOW_S)
             self._arrivals = self._completions = 0
             self._found_full = False
             self._window_end = now + FLOOD_WINDOW_S
@@ -259,7 +261,8 @@ class RequestContextMiddleware:
         # says the backlog clears in about that long, which is what Retry-After tells a refused client
         self._latency_s = dict.fromkeys(TASK_PATHS, 0.0)
         self._new_ids = _request_ids()
-        self._refusal_interval_s = 1 / settings.max_refusals_per_s if settings.max_refusals_per_s else 0.0
+        self._min_refusals_per_s = settings.max_refusals_per_s  # 0: no limit
+        self._refusals_per_completion = settings.refusals_per_completion
         self._next_refusal_at = -math.inf  # when the refusals' rate limit lets the next one be answered
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -412,14 +415,16 @@ class RequestContextMiddleware:
 
     def refusal_delay(self) -> float:
         """How long to hold a refusal at admission before answering it (0.0: answer it now). Refusals are answered
-        at most `max_refusals_per_s` a second, beyond a burst of REFUSAL_BURST_S' worth, the held ones in the order
+        at most `max_refusals_per_s` a second, or `refusals_per_completion` per request the routes completed a second
+        in their last window if that is more, beyond a burst of REFUSAL_BURST_S' worth, the held ones in the order
         refused. Clients that resend the moment they are refused (ignoring Retry-After) otherwise get refusals as
         fast as the event loop can write them, and the model, fed by that loop, starves (Settings)."""
-        if not self._refusal_interval_s:
+        if not self._min_refusals_per_s:
             return 0.0
+        completed_per_s = sum(room.completed_per_s for room in self.admission.values())
         now = time.monotonic()
         at = max(now, self._next_refusal_at)
-        self._next_refusal_at = at + self._refusal_interval_s
+        self._next_refusal_at = at + 1 / max(self._min_refusals_per_s, self._refusals_per_completion * completed_per_s)
         if at - now <= REFUSAL_BURST_S:
             return 0.0
         self.metrics.held_refusals.inc()
