@@ -22,7 +22,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.config import ROUTE_LIMIT_SETTINGS, variable
 from service.deps import ServiceState
-from service.disconnect import DisconnectWatch
 from service.errors import CLIENT_CLOSED_REQUEST, error_body
 
 access_log = logging.getLogger("service.access")
@@ -123,29 +122,25 @@ class RouteAdmission:
         """A request that finds the route full is refused: it sheds, or its waiting room is full."""
         return self.shedding or len(self.waiting) >= self.max_waiting
 
-    def wait_for_slot(self, timeout_s: float) -> asyncio.Future[Admission]:
-        """After WAIT: a place in the room, the future of its outcome: ADMIT once given a slot (counted in progress),
-        REFUSE if the route starts shedding meanwhile, EXPIRED once `timeout_s` (the request's deadline) passes
-        without a slot: it leaves the room then, rather than being admitted late. Cancelled (its client left, see
-        `leave`), it leaves the room. A future, not a coroutine: the request's own task awaits it (a Task of its own
-        per waiting request, and `asyncio.wait` over it and the disconnect watch, were a third of the event loop's
-        work per request under a standing backlog)."""
+    async def wait_for_slot(self, timeout_s: float) -> Admission:
+        """After WAIT: ADMIT once given a slot (counted in progress), REFUSE if the route starts shedding meanwhile,
+        EXPIRED once `timeout_s` (the request's deadline) passes without a slot: it leaves the room then, rather than
+        being admitted late. Cancelled (its client left): it leaves the room, and a slot given to it just before goes
+        to the next waiting request."""
         loop = asyncio.get_running_loop()
         slot: asyncio.Future[Admission] = loop.create_future()
         self.waiting.append(slot)
-        slot.add_done_callback(functools.partial(self._left_room, loop.call_later(timeout_s, self._expire, slot)))
-        return slot
-
-    def _left_room(self, expiry: asyncio.TimerHandle, slot: asyncio.Future[Admission]) -> None:
-        expiry.cancel()
-        if slot.cancelled() and slot in self.waiting:  # (a cancelled slot may have been taken off the room already)
-            self.waiting.remove(slot)
-
-    def leave(self, slot: asyncio.Future[Admission]) -> None:
-        """The request waiting on `slot` is gone (its client left, or its task was cancelled): it leaves the room,
-        and a slot given to it just before goes to the next waiting request."""
-        if not slot.cancel() and not slot.cancelled() and slot.result() is Admission.ADMIT:
-            self.complete(counted=False)
+        expiry = loop.call_later(timeout_s, self._expire, slot)
+        try:
+            return await slot
+        except asyncio.CancelledError:
+            if slot.done() and not slot.cancelled() and slot.result() is Admission.ADMIT:
+                self.complete(counted=False)  # admitted just before: give the slot back
+            elif slot in self.waiting:  # (a cancelled slot may have been taken off the room already)
+                self.waiting.remove(slot)
+            raise
+        finally:
+            expiry.cancel()
 
     def _expire(self, slot: asyncio.Future[Admission]) -> None:
         if not slot.done():
@@ -361,25 +356,36 @@ class RequestContextMiddleware:
         and the app answers 413 once admitted."""
         room = self.admission[task]
         kept: deque[Message] = deque()
-        slot = room.wait_for_slot(deadline - time.monotonic())  # the request's one deadline
-        watch = DisconnectWatch(receive, slot.cancel, kept, self.max_body_bytes)
+        waiting = asyncio.ensure_future(room.wait_for_slot(deadline - time.monotonic()))  # the request's one deadline
+        watching = asyncio.ensure_future(self._read_until_client_leaves(receive, kept))
         try:
-            outcome = await slot
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if not watch.fired or (current is not None and current.cancelling()):
-                room.leave(slot)
-                raise  # this task itself was cancelled (shutdown)
+            await asyncio.wait((waiting, watching), return_when=asyncio.FIRST_COMPLETED)
+            if watching.done() and watching.result():  # the client left
+                if not waiting.done():
+                    waiting.cancel()  # leaves the room (or gives back a slot it was given meanwhile)
+                elif waiting.result() is Admission.ADMIT:
+                    room.complete(counted=False)  # admitted in the same moment: the slot goes to the next one
+                return Admission.LEFT, receive
+            outcome = await waiting
         finally:
-            watch.close()
-        if watch.fired:  # the client left (admitted in the same moment: the slot goes to the next one)
-            room.leave(slot)
-            return Admission.LEFT, receive
+            watching.cancel()  # uvicorn's receive may be cancelled: what it has not returned stays buffered
+            waiting.cancel()  # only if this task itself was cancelled: no-op once done
 
         async def kept_first() -> Message:
             return kept.popleft() if kept else await receive()
 
         return outcome, kept_first
+
+    async def _read_until_client_leaves(self, receive: Receive, kept: deque[Message]) -> bool:
+        """True once the client disconnects; False if it stopped watching over the body limit."""
+        body_bytes = 0
+        while body_bytes <= self.max_body_bytes:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return True
+            kept.append(message)
+            body_bytes += len(message.get("body", b""))
+        return False
 
     def arrive_at_headers(self, target: bytes) -> Admission | None:
         """Admission of a POST to `target` as soon as its headers are parsed: None if the target is no task route,

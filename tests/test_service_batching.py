@@ -319,11 +319,11 @@ def test_padding_leaves_real_tokens_first():
     np.testing.assert_array_equal(captured["mask"], [[1, 1, 1], [1, 0, 0]])
 
 
-# ---- the disconnect watch (service/disconnect.py), with receive callables of each shape it may meet ----
+# ---- the disconnect watch (service/routes.py), with receive callables of each shape it may meet ----
 
 
 async def test_the_disconnect_watch_fires_once_on_disconnect_whatever_receive_awaits():
-    from service.disconnect import DisconnectWatch
+    from service.routes import _DisconnectWatch
 
     gone = asyncio.Event()
 
@@ -345,7 +345,7 @@ async def test_the_disconnect_watch_fires_once_on_disconnect_whatever_receive_aw
 
     for receive in (on_an_event, on_bare_yields, after_a_timer, failing):
         fired = []
-        watch = DisconnectWatch(receive, lambda fired=fired: fired.append(1))
+        watch = _DisconnectWatch(receive, lambda fired=fired: fired.append(1))
         gone.set()
         await asyncio.sleep(0.05)
         assert fired == [1] and watch.fired, receive.__name__
@@ -354,7 +354,7 @@ async def test_the_disconnect_watch_fires_once_on_disconnect_whatever_receive_aw
 
 
 async def test_a_closed_disconnect_watch_never_fires_and_leaves_nothing_waiting():
-    from service.disconnect import DisconnectWatch
+    from service.routes import _DisconnectWatch
 
     gone = asyncio.Event()
     closed = []
@@ -367,7 +367,7 @@ async def test_a_closed_disconnect_watch_never_fires_and_leaves_nothing_waiting(
         return {"type": "http.disconnect"}
 
     fired = []
-    watch = DisconnectWatch(receive, lambda: fired.append(1))
+    watch = _DisconnectWatch(receive, lambda: fired.append(1))
     watch.close()
     gone.set()
     await asyncio.sleep(0.01)

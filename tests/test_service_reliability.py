@@ -468,30 +468,6 @@ async def test_admission_holds_a_floods_waiting_requests_across_the_window_turn_
     assert all(w.done() and w.result() is Admission.REFUSE for w in waiters)
 
 
-async def test_a_waiter_whose_client_leaves_after_it_was_given_a_slot_passes_the_slot_on():
-    """`leave` after the slot was given (the client left in the same moment): the slot goes to the next waiter,
-    and a waiter that leaves before frees its place in the room."""
-    from service.middleware import Admission, RouteAdmission
-
-    clock = _Clock()
-    route = RouteAdmission(burst_limit=1, shed_limit=1, max_waiting=4, clock=clock)
-    assert route.arrive() is Admission.ADMIT
-    assert route.arrive() is Admission.WAIT and route.arrive() is Admission.WAIT
-    first, second = route.wait_for_slot(60), route.wait_for_slot(60)
-    clock.now += 1.0  # (not a flood's pile, which would be held back)
-    route.complete()
-    await _settle()
-    assert first.result() is Admission.ADMIT and not second.done() and route.in_flight == 1
-    route.leave(first)
-    await _settle()
-    assert second.result() is Admission.ADMIT and route.in_flight == 1 and not route.waiting
-    assert route.arrive() is Admission.WAIT
-    third = route.wait_for_slot(60)
-    route.leave(third)
-    await _settle()
-    assert third.cancelled() and not route.waiting and route.in_flight == 1
-
-
 def test_the_refusal_limit_grows_with_the_requests_the_routes_complete():
     """Refusals beyond max_refusals_per_s are held, unless the routes complete requests fast enough that
     refusals_per_completion of them a second is more: then that rate. A fixed rate held the refusals of a 3x flood on
