@@ -97,8 +97,9 @@ def main() -> None:
                 records = asyncio.run(closed_loop(port, request, clients, 8.0))
                 saturation.append({"round": n + 1, "clients": clients,
                                    "throughput_rps": sum(r.status == 200 for r in records) / 8.0})  # fmt: skip
-        saturated_rps = statistics.median(max(row["throughput_rps"] for row in saturation if row["round"] == n + 1)
-                                          for n in range(args.saturation_rounds))  # fmt: skip
+        bests = [max(row["throughput_rps"] for row in saturation if row["round"] == n + 1)
+                 for n in range(args.saturation_rounds)]  # fmt: skip
+        saturated_rps = statistics.median(bests)
         rate = args.fraction * saturated_rps
 
         async def run() -> list:
