@@ -37,7 +37,7 @@ from benchmarks.loadgen import (  # noqa: E402
     percentile,
     server_on_core_0,
 )  # fmt: skip
-from benchmarks.overload import SATURATING, WHAT_IS_SENT, saturation_run  # noqa: E402
+from benchmarks.overload import SATURATING, WHAT_IS_SENT, best, saturation_run  # noqa: E402
 from loadtest.report import (  # noqa: E402
     agg_subplots,
     header,
@@ -91,15 +91,11 @@ def main() -> None:
     cpu: list[tuple[float, float, float]] = []  # (t, server CPU seconds, core 0's steal seconds)
     try:
         asyncio.run(closed_loop(port, request, 8, 3.0))  # warm-up
-        saturation = []
-        for n in range(args.saturation_rounds):
-            for clients in map(int, SATURATING[task].split(",")):
-                records = asyncio.run(closed_loop(port, request, clients, 8.0))
-                saturation.append({"round": n + 1, "clients": clients,
-                                   "throughput_rps": sum(r.status == 200 for r in records) / 8.0})  # fmt: skip
-        bests = [max(row["throughput_rps"] for row in saturation if row["round"] == n + 1)
-                 for n in range(args.saturation_rounds)]  # fmt: skip
-        saturated_rps = statistics.median(bests)
+        concurrencies = list(map(int, SATURATING[task].split(",")))
+        rounds = [saturation_run(server, request, concurrencies, f"round {n + 1}")
+                  for n in range(args.saturation_rounds)]  # fmt: skip
+        saturation = [row for phase in rounds for row in phase]
+        saturated_rps = statistics.median(best(phase)["throughput_rps"] for phase in rounds)
         rate = args.fraction * saturated_rps
 
         async def run() -> list:
@@ -165,7 +161,7 @@ def main() -> None:
         f"HTTP/1.1 client on core 1, open loop, {WHAT_IS_SENT[task]} per request. The machine is shared with "
         "other jobs; the 1-minute load average is in the CSV for every 5-s window.",
         "",
-        *markdown_table(saturation, {"round": "round", "clients": "closed-loop clients", "throughput_rps": "200/s"}),
+        *markdown_table(saturation, {"when": "round", "clients": "closed-loop clients", "throughput_rps": "200/s"}),
         "",
         f"Saturated throughput (the median of the rounds' best) {saturated_rps:.0f} req/s; soak rate {rate:.0f} req/s "
         f"for {seconds:g} s: "
