@@ -532,10 +532,12 @@ def test_connections_the_kernel_queued_as_the_drain_ended_are_accepted_and_answe
     (under 1,500 clients reconnecting after each answer, 810 and 1,146 read errors at SIGTERM). The listeners now
     close once their accept queues are empty. Here the process is stopped (SIGSTOP) across the drain's end while
     clients connect and send, so their connections wait in the queue: each is answered."""
+    from service.__main__ import raise_open_files_limit
+
     # (each connection must fit the accept queue: the kernel caps uvicorn's backlog, 2,048, at somaxconn)
     port, clients = free_port(), min(600, int(Path("/proc/sys/net/core/somaxconn").read_text()) // 2)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    raise_open_files_limit()  # (each client's connection is a file here too)
     proc = start(["-c", _serve_script(models_dir, port, drain_s=0.3)], port)
     conns = []
     try:
