@@ -20,7 +20,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.batcher import Batcher, StepBatcher
+from service.batcher import INLINE_MAX_S, Batcher, StepBatcher
 from service.bundle import Bundle, BundleError, load_bundle
 from service.config import UNCALIBRATED_MAX_BATCH_TOKENS, Settings
 from service.deps import ModelService, ServiceState
@@ -126,7 +126,8 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
             batcher = StepBatcher(runner.live(width_classes=short_first), short_first=short_first, **batching)
         else:
             cut_in_ratio = settings.translate_cut_in_ratio if task == "translate" else 0
-            batcher = Batcher(run_batch, cut_in_ratio=cut_in_ratio, **batching)
+            inline_max_s = INLINE_MAX_S if task == "classify" else 0.0  # a classifier's time follows its input
+            batcher = Batcher(run_batch, cut_in_ratio=cut_in_ratio, inline_max_s=inline_max_s, **batching)
         state.models[task] = ModelService(bundle, tokenizer, batcher, execution_provider=runtime.provider)
         log.info(
             "serving %s: task=%s attention=%s n_max=%d k=%s from %s on %s",

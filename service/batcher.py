@@ -13,7 +13,9 @@ calls `stop_if_abandoned` between steps. The queue is bounded by cost (QueueFull
 costs `cost` units, 1 for a classification, beam_size x the tokens it may generate for a translation, so admission
 follows the work asked for rather than the request count; Retry-After is the queued cost over the
 recent throughput in cost per second. A runtime error fails only its batch's requests (BatchFailed).
-The runtime call runs in one compute thread per model, off the event loop.
+The runtime call runs in one compute thread per model, off the event loop, except, where `inline_max_s` is set
+(classification), a lone short text: a batch of one text with nothing queued behind it, which the model's recent speed
+says takes at most `inline_max_s`, runs on the event loop itself (`_runs_inline`).
 
 Cut-ins (`cut_in_ratio`, translation): while a batch decodes step by step, a queued batch whose longest text is
 at most 1/`cut_in_ratio` of the decoding batch's longest may run whole between two of its steps, on the same
@@ -52,6 +54,14 @@ RunBatch = Callable[[np.ndarray, np.ndarray, Hashable | list[Hashable], Callable
 
 # cut-ins may take at most this share of the time since the batch they cut into began: the long batch keeps half
 CUT_IN_SHARE = 0.5
+
+# /classify's `inline_max_s`: a batch of one text with nothing queued behind it, expected to take at most this long,
+# runs on the event loop instead of the compute thread. The trip there and back (a queue, the thread's wake-up,
+# `call_soon_threadsafe` and the loop's own wake-up) cost a lone short request ~20-60 us of its p50 at one connection
+# (benchmarks/results/service-bench-session26/inline/); and while the loop computes a text this short, all it holds
+# back is a request that would wait for the model anyway. Longer runs, and every batch while others queue, keep the
+# loop free: it reads, refuses and tokenises while the model computes.
+INLINE_MAX_S = 0.002
 
 
 class QueueFull(Exception):
@@ -190,11 +200,14 @@ class Batcher:
         metrics: Metrics | None = None,
         max_batch_size_by_length: Mapping[int, int] | None = None,
         cut_in_ratio: int = 0,
+        inline_max_s: float = 0.0,
     ):
         """`max_queue` bounds the summed `cost` of the items waiting (texts, when every cost is 1).
         `max_batch_size_by_length` (measured length -> batch size, from the bundle's calibration) caps a batch
         further by its padded length, taken to the next measured length up (beyond the longest, its cap).
-        `cut_in_ratio` (0: none): how much shorter a queued batch must be to cut in (module docstring)."""
+        `cut_in_ratio` (0: none): how much shorter a queued batch must be to cut in (module docstring).
+        `inline_max_s` (0: never): a lone text expected to compute within it runs on the event loop (INLINE_MAX_S);
+        for a runtime whose time follows the text's length (a classifier, not a decoder)."""
         self.run_batch = run_batch
         self.name = name
         self.pad_id = pad_id
@@ -215,9 +228,11 @@ class Batcher:
         self._compute_thread = _ComputeThread(f"infer-{name}")
         self._queued_cost = 0
         self._cost_per_s = 0.0  # moving average of cost computed per second of compute, for Retry-After
+        self._s_per_token = math.inf  # moving average of compute seconds per padded token (none measured yet: inf)
         self._depth_gauge = metrics.child(metrics.queue_depth, name) if metrics else None
         self._queue_wait = metrics.child(metrics.queue_wait, name) if metrics else None
         self.cut_in_ratio = cut_in_ratio
+        self.inline_max_s = inline_max_s
         self._decoding: _Decoding | None = None  # set while a batch that cut-ins may join computes
         self._cut_in: list[_Item] | None = None  # the cut-in handed over and not yet answered
         # the hand-over: the event loop appends (one batch at most), the compute thread takes it between two steps;
@@ -421,9 +436,16 @@ class Batcher:
 
             self._offer_cut_in()
         try:
-            outcome = await self._compute_thread.call(
-                self._pad_and_run, [item.ids for item in batch], batch[0].options, between_steps
-            )
+            if self._runs_inline(batch):
+                inline_started = time.perf_counter()
+                outcome = self._pad_and_run([item.ids for item in batch], batch[0].options, between_steps)
+                if self.metrics:
+                    inline_s = time.perf_counter() - inline_started
+                    self.metrics.child(self.metrics.inline_inference, self.name).inc(inline_s)
+            else:
+                outcome = await self._compute_thread.call(
+                    self._pad_and_run, [item.ids for item in batch], batch[0].options, between_steps
+                )
         except Exception as error:
             outcome = error
         hosted_s = 0.0
@@ -432,6 +454,10 @@ class Batcher:
                 self._decoding.look_again.cancel()
             hosted_s, self._decoding = self._hosted_s - self._decoding.hosted_from, None
         self._answer_batch(batch, outcome, time.monotonic() - started - hosted_s)
+
+    def _runs_inline(self, batch: list[_Item]) -> bool:
+        """A lone text, nothing queued behind it, that the recent speed per token says computes within inline_max_s."""
+        return len(batch) == 1 and not self._queue and batch[0].length * self._s_per_token <= self.inline_max_s
 
     def _answer_batch(self, batch: list[_Item], outcome: Sequence[Any] | Exception, seconds: float) -> None:
         """Event loop: a computed batch's outputs (or what stopped it) to its futures; `seconds` its own compute."""
@@ -450,6 +476,10 @@ class Batcher:
         if seconds > 0:
             rate = sum(item.cost for item in batch) / seconds
             self._cost_per_s = rate if self._cost_per_s == 0 else 0.8 * self._cost_per_s + 0.2 * rate
+            per_token = seconds / (len(batch) * max(item.length for item in batch))
+            if not math.isinf(self._s_per_token):
+                per_token = 0.8 * self._s_per_token + 0.2 * per_token
+            self._s_per_token = per_token
         for item, output in zip(batch, outcome, strict=True):
             if not item.future.done():
                 item.future.set_result(output)

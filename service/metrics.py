@@ -60,6 +60,12 @@ class Metrics:
             "nothing computed, logged as 499) or deadline (504)",
             ["route", "reason"], registry=r,
         )
+        self.inline_inference = Counter(
+            "linformer_inline_inference_seconds",
+            "Runtime time spent on the event loop itself: batches of one short text with nothing queued behind it "
+            "(service/batcher.py INLINE_MAX_S); every other batch runs on the model's compute thread",
+            ["model"], registry=r,
+        )
         self.held_refusals = Counter(
             "linformer_held_refusals",
             "Refusals at admission answered late, their connection unread meanwhile: past LINFORMER_MAX_REFUSALS_PER_S "

@@ -11,6 +11,7 @@ import pytest
 from conftest import SlowRuntime, make_settings, running_service
 
 from service.batcher import Batcher, DeadlineExceeded, QueueFull, Shed, _ComputeThread
+from service.metrics import Metrics
 
 pytestmark = pytest.mark.anyio
 
@@ -302,6 +303,44 @@ async def test_the_compute_thread_answers_in_order_raises_its_errors_and_outlive
     assert loop_errors == []
     thread.close()
     assert not thread._thread.is_alive()
+
+
+async def test_a_lone_short_text_runs_on_the_event_loop_and_everything_else_on_the_compute_thread():
+    """With `inline_max_s` (/classify's), a batch of one text with nothing queued behind it that the measured speed
+    per token says fits within it skips the trip to the compute thread; a longer text, a batch while others queue,
+    and the first batch (nothing measured yet) go to the thread. Without it, every batch does."""
+
+    class ThreadRecordingRuntime(RecordingRuntime):
+        def __init__(self, delay_s: float):
+            super().__init__(delay_s)
+            self.threads: list[str] = []  # the thread each batch ran on
+
+        def __call__(self, input_ids, attention_mask, options, stop_if_abandoned):
+            self.threads.append(threading.current_thread().name)
+            return super().__call__(input_ids, attention_mask, options, stop_if_abandoned)
+
+    runtime = ThreadRecordingRuntime(delay_s=0.002)  # ~0.2 ms a token for the 10-token texts below
+    loop_thread = threading.current_thread().name
+    metrics = Metrics()
+    batcher = make_batcher(runtime, inline_max_s=0.01, metrics=metrics)  # up to ~50 such tokens run inline
+    batcher.start()
+    await batcher.submit([[1] * 10], timeout_s=5)  # nothing measured yet: the compute thread
+    await batcher.submit([[1] * 10], timeout_s=5)  # ~2 ms expected: inline
+    await batcher.submit([[1] * 200], timeout_s=5)  # ~40 ms expected: the compute thread
+    await asyncio.gather(*(batcher.submit([[1] * 10], timeout_s=5) for _ in range(3)))  # batched: the thread
+    await batcher.close()
+    assert runtime.batches == [[10], [10], [200], [10, 10, 10]]
+    assert runtime.threads == ["infer-test", loop_thread, "infer-test", "infer-test"]
+    inline_s = metrics.registry.get_sample_value("linformer_inline_inference_seconds_total", {"model": "test"})
+    assert 0.002 <= inline_s < 0.1  # the one inline run (at least its runtime's 2 ms), counted apart
+
+    runtime.threads = []
+    batcher = make_batcher(runtime)  # inline_max_s 0 (the translator's): never inline
+    batcher.start()
+    for _ in range(3):
+        await batcher.submit([[1] * 10], timeout_s=5)
+    await batcher.close()
+    assert runtime.threads == ["infer-test"] * 3
 
 
 def test_padding_leaves_real_tokens_first():
