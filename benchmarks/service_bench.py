@@ -414,11 +414,11 @@ def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict,
         "max_wait_time 1 ms (its smallest). Triton: PyTriton, max_batch_size 32, max_queue_delay_microseconds 0.",
         "- CPU outside session.run: the server's CPU (whole process tree) per request minus the model's CPU per "
         "text at the mean batch size that server formed (from its own metrics), as measured alone in this run; "
-        "for this service at least its main thread's CPU, the event loop, which never runs session.run (the model "
+        "for this service at least its event loop's CPU (the model "
         "alone is measured seconds away on a VM whose speed drifts, and a slower spell there can make the "
         "difference smaller than the loop's own CPU, even negative). Main thread CPU: the part on the server "
-        "process's main thread (this service: the event loop; the rest is its inference thread, session.run "
-        "included).",
+        "process's main thread (this service: the event loop, less the session.run calls it makes itself for a "
+        "lone short text, from its metrics; the rest is its inference thread, session.run included).",
         "",
     ]
     for tokens, per_length in results.items():

@@ -322,7 +322,7 @@ async def test_a_lone_short_text_runs_on_the_event_loop_and_everything_else_on_t
     runtime = ThreadRecordingRuntime(delay_s=0.002)  # ~0.2 ms a token for the 10-token texts below
     loop_thread = threading.current_thread().name
     metrics = Metrics()
-    batcher = make_batcher(runtime, inline_max_s=0.01, metrics=metrics)  # up to ~50 such tokens run inline
+    batcher = make_batcher(runtime, inline_max_s=0.02, metrics=metrics)  # up to ~100 such tokens run inline
     batcher.start()
     await batcher.submit([[1] * 10], timeout_s=5)  # nothing measured yet: the compute thread
     await batcher.submit([[1] * 10], timeout_s=5)  # ~2 ms expected: inline
