@@ -12,9 +12,11 @@ For each text length (16, 64, 512 tokens by default), side by side on one machin
 
 Every server runs pinned to core 0 with one ORT thread; the load generator (wrk, one thread, keep-alive, one
 text per request; `apt install wrk`) runs on core 1. At each concurrency the servers take turns (service,
-Mosec, Triton), each warmed up at that concurrency first, so the comparison is interleaved in time.
+Mosec, Triton), each warmed up at that concurrency first, so the comparison is interleaved in time; with
+`--turns N` they take N turns, the order reversed every other turn, and each figure is the median of its turns.
 
     python benchmarks/service_bench.py --bundle models/classify-linformer [--tokens 16 64 512] [--seconds 8]
+                                       [--turns 1]
     make bench-service
 
 Writes benchmarks/results/service_bench_<bundle>[-<tokens>].{csv,md,png}. `--flame` also records a py-spy
@@ -322,6 +324,18 @@ def measure(server: Server, connections: int, seconds: float, model: dict) -> di
     return {**row, "cpu_ms_outside_run": cpu_ms_outside_run(row, model)}
 
 
+def median_row(turns: list[dict]) -> dict:
+    """One server's turns at one concurrency as one row: each figure's median (requests and non-2xx summed)."""
+    row = dict(turns[0])
+    for key, value in row.items():
+        if key in ("requests", "non_2xx"):
+            row[key] = sum(turn[key] for turn in turns)
+        elif isinstance(value, float | int) and key != "connections":
+            row[key] = statistics.median(turn[key] for turn in turns)
+    row["socket_errors"] = "; ".join(turn["socket_errors"] for turn in turns if turn["socket_errors"])
+    return row
+
+
 def cpu_ms_outside_run(row: dict, model: dict) -> float:
     """The server's CPU per request minus the model's CPU per text at the mean batch size it formed, and for this
     service at least its event loop's CPU (its main thread's, less the session.run calls it made itself): the
@@ -409,7 +423,8 @@ def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict,
         f"- git commit: {info['git_commit']}",
         "- set-up: every server on core 0 with one ORT intra- and inter-op thread, the same tokenizer, session "
         "settings and softmax; wrk (1 thread, keep-alive, one text per request) on core 1; at each concurrency the "
-        "servers take turns, each warmed up at that concurrency first. Service: its defaults (max batch 32, no "
+        f"servers take turns ({info['turns']} turn(s), the order reversed every other turn; each figure the median "
+        "of its turns), each warmed up at that concurrency first. Service: its defaults (max batch 32, no "
         "batch wait, the bundle's measured token budget), log level warning. Mosec: one worker, max_batch_size 32, "
         "max_wait_time 1 ms (its smallest). Triton: PyTriton, max_batch_size 32, max_queue_delay_microseconds 0.",
         "- CPU outside session.run: the server's CPU (whole process tree) per request minus the model's CPU per "
@@ -525,6 +540,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 512])
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--seconds", type=float, default=8.0, help="per measured point (after a warm-up)")
+    parser.add_argument("--turns", type=int, default=1, help="measure each point this many times, the servers taking "
+                        "turns (the order reversed every other turn), and report each figure's median: an effect of "
+                        "tens of microseconds is within a VM's drift between two single turns")  # fmt: skip
     parser.add_argument("--peers", nargs="*", default=["mosec", "triton"], choices=["mosec", "triton"])
     parser.add_argument("--peers-python", default=str(REPO / ".venv-peers" / "bin" / "python"),
                         help="a venv with `pip install -e '.[peers]'` (Mosec, PyTriton)")
@@ -542,7 +560,7 @@ def main() -> None:
     peers = args.peers if Path(args.peers_python).exists() else []
     if args.peers and not peers:
         print(f"no peers' venv at {args.peers_python}: measuring the service alone")
-    info = {**machine(), "peers": peer_versions(args.peers_python) if peers else {}}
+    info = {**machine(), "peers": peer_versions(args.peers_python) if peers else {}, "turns": args.turns}
     command = " ".join(["python", *[str(Path(a).relative_to(REPO)) if a.startswith(str(REPO)) else a
                                     for a in sys.argv]])  # fmt: skip
     tokenizer = Tokenizer.from_bundle(bundle)
@@ -565,14 +583,18 @@ def main() -> None:
             for server in servers:
                 server.start(logs / f"{server.name.split()[0].lower()}-{tokens}.log")
             for connections in args.connections:
-                for server in servers:
-                    row = measure(server, connections, args.seconds, model)
-                    rows.append(row)
-                    print(f"{len(ids)} tokens, {server.name:>18}, c={connections:<3} {row['rps']:7.0f} req/s "
-                          f"({row['ratio_to_model']:.2f} of model) p50 {row['p50_ms']:7.2f} p99 {row['p99_ms']:7.1f} "
-                          f"ms, CPU/req {row['cpu_ms_per_request']:.3f} (outside run {row['cpu_ms_outside_run']:.3f})"
-                          f" ms, batch {row['mean_batch']:.1f}, non-2xx {row['non_2xx']}, socket errors "
-                          f"{row['socket_errors'] or 'none'}", flush=True)  # fmt: skip
+                turns: dict[str, list[dict]] = {server.name: [] for server in servers}
+                for turn in range(args.turns):  # the servers take turns, in the opposite order every other turn
+                    for server in servers if turn % 2 == 0 else servers[::-1]:
+                        row = measure(server, connections, args.seconds, model)
+                        turns[server.name].append(row)
+                        print(f"{len(ids)} tokens, {server.name:>18}, c={connections:<3} {row['rps']:7.0f} req/s "
+                              f"({row['ratio_to_model']:.2f} of model) p50 {row['p50_ms']:7.2f} p99 "
+                              f"{row['p99_ms']:7.1f} ms, CPU/req {row['cpu_ms_per_request']:.3f} (outside run "
+                              f"{row['cpu_ms_outside_run']:.3f}) ms, batch {row['mean_batch']:.1f}, non-2xx "
+                              f"{row['non_2xx']}, socket errors {row['socket_errors'] or 'none'}",
+                              flush=True)  # fmt: skip
+                rows += [median_row(turns[server.name]) for server in servers]
             if args.flame and tokens in (64, 512):  # 512: native frames too, to see inside session.run
                 suffix = "" if tokens == 64 else f"-{tokens}-native"
                 record_flame(servers[0], args.out / f"service_flame_{bundle.name}{suffix}", args.seconds,
