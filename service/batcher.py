@@ -435,13 +435,10 @@ class Batcher:
                     self._run_cut_in(self._handover.popleft(), loop)
 
             self._offer_cut_in()
+        inline = self._runs_inline(batch)
         try:
-            if self._runs_inline(batch):
-                inline_started = time.perf_counter()
+            if inline:
                 outcome = self._pad_and_run([item.ids for item in batch], batch[0].options, between_steps)
-                if self.metrics:
-                    inline_s = time.perf_counter() - inline_started
-                    self.metrics.child(self.metrics.inline_inference, self.name).inc(inline_s)
             else:
                 outcome = await self._compute_thread.call(
                     self._pad_and_run, [item.ids for item in batch], batch[0].options, between_steps
@@ -453,7 +450,10 @@ class Batcher:
             if self._decoding.look_again is not None:
                 self._decoding.look_again.cancel()
             hosted_s, self._decoding = self._hosted_s - self._decoding.hosted_from, None
-        self._answer_batch(batch, outcome, time.monotonic() - started - hosted_s)
+        seconds = time.monotonic() - started - hosted_s
+        if inline and self.metrics:
+            self.metrics.child(self.metrics.inline_inference, self.name).inc(seconds)
+        self._answer_batch(batch, outcome, seconds)
 
     def _runs_inline(self, batch: list[_Item]) -> bool:
         """A lone text, nothing queued behind it, that the recent speed per token says computes within inline_max_s."""
