@@ -14,8 +14,8 @@ costs `cost` units, 1 for a classification, beam_size x the tokens it may genera
 follows the work asked for rather than the request count; Retry-After is the queued cost over the
 recent throughput in cost per second. A runtime error fails only its batch's requests (BatchFailed).
 The runtime call runs in one compute thread per model, off the event loop, except, where `inline_max_s` is set
-(classification), a lone short text: a batch of one text with nothing queued behind it, which the model's recent speed
-says takes at most `inline_max_s`, runs on the event loop itself (`_runs_inline`).
+(classification), a lone short text: a batch of one text with nothing queued behind it, which the recent runs of lone
+texts of about its length say take at most `inline_max_s`, runs on the event loop itself (`_runs_inline`).
 
 Cut-ins (`cut_in_ratio`, translation): while a batch decodes step by step, a queued batch whose longest text is
 at most 1/`cut_in_ratio` of the decoding batch's longest may run whole between two of its steps, on the same
@@ -228,7 +228,9 @@ class Batcher:
         self._compute_thread = _ComputeThread(f"infer-{name}")
         self._queued_cost = 0
         self._cost_per_s = 0.0  # moving average of cost computed per second of compute, for Retry-After
-        self._s_per_token = math.inf  # moving average of compute seconds per padded token (none measured yet: inf)
+        # lone texts' runtime seconds per token (moving average), by length class (`int.bit_length`: 8-15 tokens,
+        # 16-31, ...), for `_runs_inline`; a class with no lone text measured yet has no entry
+        self._lone_s_per_token: dict[int, float] = {}
         self._depth_gauge = metrics.child(metrics.queue_depth, name) if metrics else None
         self._queue_wait = metrics.child(metrics.queue_wait, name) if metrics else None
         self.cut_in_ratio = cut_in_ratio
@@ -456,8 +458,17 @@ class Batcher:
         self._answer_batch(batch, outcome, seconds)
 
     def _runs_inline(self, batch: list[_Item]) -> bool:
-        """A lone text, nothing queued behind it, that the recent speed per token says computes within inline_max_s."""
-        return len(batch) == 1 and not self._queue and batch[0].length * self._s_per_token <= self.inline_max_s
+        """A lone text, nothing queued behind it, that lone texts of its length class computed within inline_max_s.
+
+        Timed per length class and for lone texts only, because a lone text's run is mostly the runtime's fixed cost
+        when it is short: a speed per token averaged over every batch (the first version) put too low a figure on a
+        lone longer text after big batches, and let texts run on the loop for longer than inline_max_s. Within a class
+        the estimate scales with the length; the first lone text of a class goes to the compute thread, unmeasured."""
+        if len(batch) != 1 or self._queue:
+            return False
+        length = batch[0].length
+        s_per_token = self._lone_s_per_token.get(length.bit_length())
+        return s_per_token is not None and length * s_per_token <= self.inline_max_s
 
     def _answer_batch(self, batch: list[_Item], outcome: Sequence[Any] | Exception, seconds: float) -> None:
         """Event loop: a computed batch's outputs (or what stopped it) to its futures; `seconds` its own compute."""
@@ -476,10 +487,6 @@ class Batcher:
         if seconds > 0:
             rate = sum(item.cost for item in batch) / seconds
             self._cost_per_s = rate if self._cost_per_s == 0 else 0.8 * self._cost_per_s + 0.2 * rate
-            per_token = seconds / (len(batch) * max(item.length for item in batch))
-            if not math.isinf(self._s_per_token):
-                per_token = 0.8 * self._s_per_token + 0.2 * per_token
-            self._s_per_token = per_token
         for item, output in zip(batch, outcome, strict=True):
             if not item.future.done():
                 item.future.set_result(output)
@@ -532,16 +539,22 @@ class Batcher:
     def _pad_and_run(
         self, sequences: list[list[int]], options: Hashable | list[Hashable], stop_if_abandoned: Callable[[], None]
     ) -> Sequence[Any]:
-        input_ids, attention_mask = pad(sequences, self.pad_id)
         started, hosted_before = time.perf_counter(), self._hosted_s
+        input_ids, attention_mask = pad(sequences, self.pad_id)
+        padded_s = time.perf_counter()
         outputs = self.run_batch(input_ids, attention_mask, options, stop_if_abandoned)
+        ended = time.perf_counter() - (self._hosted_s - hosted_before)
+        if self.inline_max_s and len(sequences) == 1 and (length := len(sequences[0])):  # what an inline run takes
+            per_token, length_class = (ended - started) / length, length.bit_length()
+            before = self._lone_s_per_token.get(length_class)
+            self._lone_s_per_token[length_class] = per_token if before is None else 0.8 * before + 0.2 * per_token
         if self.metrics:
             self.metrics.observe_batch(
                 self.name,
                 size=len(sequences),
                 real_tokens=sum(map(len, sequences)),
                 padded_tokens=input_ids.size,
-                inference_s=time.perf_counter() - started - (self._hosted_s - hosted_before),
+                inference_s=ended - padded_s,
             )
         return outputs
 
