@@ -274,6 +274,9 @@ class RequestContextMiddleware:
         path = scope["path"]
         task = path if path in self.admission and scope["method"] == "POST" else None
         endpoint = self.endpoints.get(path) if scope["method"] == "POST" else None
+        # HEAD is GET without the body (RFC 9110 9.3.2; every server must support both): FastAPI routes GET only, so
+        # the app sees a GET, and uvicorn, whose own scope still says HEAD, sends the head and leaves the body out
+        app_scope = {**scope, "method": "GET"} if scope["method"] == "HEAD" else scope
 
         async def send_with_context(message: Message) -> None:
             nonlocal status
@@ -322,7 +325,7 @@ class RequestContextMiddleware:
             elif self._declared_length(scope) > self.max_body_bytes:
                 await self._send_error(send_with_context, 413, "body_too_large", request_id, self._too_large)
             else:
-                await (endpoint or self.app)(scope, receive_limited, send_with_context)
+                await (endpoint or self.app)(app_scope, receive_limited, send_with_context)
         except Exception:
             if status:
                 raise  # the answer has started: nothing better to send; uvicorn closes the connection
@@ -337,7 +340,7 @@ class RequestContextMiddleware:
                     self._latency_s[task] = 0.9 * self._latency_s[task] + 0.1 * elapsed
             # a task request answered here (refused, expired, left) never reached the router: label it by its route
             routed = endpoint is not None or (task is not None and not admitted)
-            route_label = path if routed else getattr(scope.get("route"), "path", "unmatched")
+            route_label = path if routed else getattr(app_scope.get("route"), "path", "unmatched")
             self.metrics.observe_request(route_label, status, elapsed)
             client = scope.get("client") or ("-", 0)
             access_log.info(

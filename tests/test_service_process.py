@@ -72,6 +72,14 @@ def test_python_m_service_serves_over_http_and_exits_cleanly_on_sigterm(models_d
                        headers={"x-request-id": "e2e-1"})
         assert r.status_code == 200 and len(r.json()["results"]) == 2
         assert r.headers["x-request-id"] == "e2e-1"
+        # HEAD is answered as GET without the body (monitors and `curl -I` use it); not on a POST route
+        for n, path in enumerate(("/healthz", "/readyz", "/v1/models")):
+            get, head = httpx.get(f"{base}{path}"), httpx.head(f"{base}{path}", headers={"x-request-id": f"head-{n}"})
+            assert head.status_code == get.status_code == 200 and head.content == b""
+            assert head.headers["content-length"] == str(len(get.content))
+            assert head.headers["x-request-id"] == f"head-{n}"
+        head = httpx.head(f"{base}/classify")
+        assert head.status_code == 405 and head.headers["allow"] == "POST"
         headers = {"content-type": "application/json"}
         big = httpx.post(f"{base}/classify", content=b"x" * (2 << 20), headers=headers)
         assert big.status_code == 413
@@ -93,6 +101,7 @@ def test_python_m_service_serves_over_http_and_exits_cleanly_on_sigterm(models_d
     assert code == 0, out
     assert "execution provider: CPUExecutionProvider" in out
     assert "request_id=e2e-1 method=POST path=/classify status=200" in out
+    assert "request_id=head-0 method=HEAD path=/healthz status=200" in out
 
 
 def wait_until_queued(port: int, depth: int, timeout_s: float = 10) -> None:
