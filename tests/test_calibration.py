@@ -33,11 +33,11 @@ def test_the_largest_budget_among_those_within_the_noise_of_the_best():
     assert choose_budget(table)[0] == 512  # 16-token texts in 32s (0.975), 128-token ones in 4s (1.0)
 
 
-def test_each_length_batches_up_to_the_largest_size_within_the_noise_of_its_best():
+def test_each_length_batches_up_to_the_largest_size_within_the_allowance_of_its_best():
     table = {
-        16: {1: 900, 2: 960, 4: 1000, 8: 985, 16: 975, 32: 960},  # 16 within 3 % of the best (4), 32 not
-        64: {1: 500, 2: 520, 4: 560, 8: 530, 16: 520, 32: 500},  # past 4 every size loses over 3 %
-        512: {1: 175, 2: 176, 4: 172, 8: 160, 16: 150, 32: 141},  # 4 at 0.977 of the best (2)
+        16: {1: 900, 2: 960, 4: 1000, 8: 985, 16: 955, 32: 940},  # 16 within 5 % of the best (4), 32 not
+        64: {1: 500, 2: 520, 4: 560, 8: 530, 16: 520, 32: 500},  # past 4 every size loses over 5 %
+        512: {1: 175, 2: 176, 4: 172, 8: 160, 16: 150, 32: 141},  # 4 at 0.977 of the best (2), 8 at 0.909
     }
     assert choose_batch_sizes(table) == {16: 16, 64: 4, 512: 4}
 
