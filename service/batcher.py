@@ -438,13 +438,12 @@ class Batcher:
 
             self._offer_cut_in()
         inline = self._runs_inline(batch)
+        args = ([item.ids for item in batch], batch[0].options, between_steps)
         try:
             if inline:
-                outcome = self._pad_and_run([item.ids for item in batch], batch[0].options, between_steps)
+                outcome = self._pad_and_run(*args)
             else:
-                outcome = await self._compute_thread.call(
-                    self._pad_and_run, [item.ids for item in batch], batch[0].options, between_steps
-                )
+                outcome = await self._compute_thread.call(self._pad_and_run, *args)
         except Exception as error:
             outcome = error
         hosted_s = 0.0
