@@ -21,12 +21,21 @@ summary and throughput/latency over time.
 `--storm N`: the flood is N closed-loop keep-alive clients instead, each sending its next request the moment it
 is answered, 429 or not (a client that ignores Retry-After, as wrk does, or a retry loop without a pause): the
 refusals come as fast as the server writes them. Writes overload-storm-<bundle>.*.
+
+`--alternate K=V[,K=V...]`: an A/B of settings under the flood. Two servers run on core 0, the second with these
+settings added; the flood goes to one at a time in `--segments` segments of `--seconds` each (A B B A A B ...: a
+drift of the core's speed falls on both), the other idling meanwhile. Each segment's 200s per second after its
+first second (connections opened, shedding engaged), the event loop's share of the core and its wake-ups (context
+switches of its thread); closed-loop saturation of each, at 8 and 16 clients, before and after. A difference
+smaller than a whole run's spread shows here, where separate runs minutes apart cannot tell it. Writes
+overload-alternate-<bundle>.{csv,md,png}.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -192,6 +201,117 @@ def plot(rounds: list[dict], seconds: float, path: Path, title: str) -> None:
     save_figure(fig, path, dpi=110)
 
 
+def loop_switches(server: Server) -> int:
+    """Context switches of the server's event-loop thread so far (each wake-up is one, and so is each preemption)."""
+    status = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/status").read_text()
+    return sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches" in line)
+
+
+def alternate(args: argparse.Namespace, task: str, load_before: str) -> None:
+    """`--alternate`: see the module's docstring."""
+    extra = args.alternate.split(",")
+    servers = {"A": server_on_core_0(args.bundle, args.setting),
+               "B": server_on_core_0(args.bundle, args.setting + extra)}
+    names = {"A": "as set" + (f" ({', '.join(args.setting)})" if args.setting else " (defaults)"),
+             "B": f"with {', '.join(extra)}"}
+    request = one_text_request(task)
+    saturations: list[dict] = []
+    segments: list[dict] = []
+    try:
+        for server in servers.values():
+            asyncio.run(closed_loop(server.port, request, 8, 3.0))  # warm-up
+        for label, server in servers.items():
+            saturations += [{"server": label, **row} for row in saturation_run(server, request, [8, 16], "before")]
+        flood_rate = args.factor * max(row["throughput_rps"] for row in saturations if row["server"] == "A")
+        for i in range(args.segments):
+            label = "AB"[(i + i // 2) % 2]  # A B B A A B B A ...
+            server = servers[label]
+            mark, switches = cpu_mark(server), loop_switches(server)
+            records = asyncio.run(open_loop(server.port, request, [(args.seconds, flood_rate)]))
+            shares = core_shares(server, mark)
+            measured = summarise([r for r in records if r.due_s >= 1.0], args.seconds - 1.0)
+            segments.append({"segment": i + 1, "server": label, "ok_rps": measured["throughput_rps"],
+                             "p99_ms": measured["p99_ms"], "rejected_429": measured["rejected_429"],
+                             "failures": measured["errors_5xx"] + measured["transport_errors"],
+                             "loop_wakeups_per_s": (loop_switches(server) - switches) / args.seconds,
+                             "lag_p99_ms": measured["generator_lag_p99_ms"], **shares})  # fmt: skip
+            print(f"segment {i + 1} ({label}): {segments[-1]}", flush=True)
+        for label, server in reversed(servers.items()):
+            saturations += [{"server": label, **row} for row in saturation_run(server, request, [8, 16], "after")]
+    finally:
+        exit_codes = {label: server.stop() for label, server in servers.items()}
+    summary = []
+    for label in servers:
+        mine = [row for row in segments if row["server"] == label]
+        saturated = statistics.mean(max(row["throughput_rps"] for row in saturations
+                                        if row["server"] == label and row["when"] == when)
+                                    for when in ("before", "after"))  # fmt: skip
+        ok = statistics.median(row["ok_rps"] for row in mine)
+        summary.append({"server": f"{label}: {names[label]}", "saturated_rps": saturated, "ok_rps": ok,
+                        "goodput": ok / saturated, "p99_ms": statistics.median(row["p99_ms"] for row in mine),
+                        "loop_share": statistics.median(row["loop_share"] for row in mine),
+                        "loop_wakeups_per_s": statistics.median(row["loop_wakeups_per_s"] for row in mine),
+                        "failures": sum(row["failures"] for row in mine)})  # fmt: skip
+    # pairs: segments 2k+1 and 2k+2 hold one of each (A B, B A, ...)
+    by_server = [{row["server"]: row["ok_rps"] for row in segments[i : i + 2]} for i in range(0, len(segments) - 1, 2)]
+    pairs = [pair["B"] / pair["A"] for pair in by_server]
+    stem = args.stem or f"overload-alternate-{args.bundle}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / f"{stem}.csv", segments + [{"server": row["server"], **row} for row in saturations])
+    fig, (top, bottom) = agg_subplots(2, 1, figsize=(9, 6), sharex=True)
+    for label, color in (("A", "tab:blue"), ("B", "tab:green")):
+        mine = [row for row in segments if row["server"] == label]
+        x = [row["segment"] for row in mine]
+        top.bar(x, [row["ok_rps"] for row in mine], color=color, label=f"{label}: {names[label]}")
+        bottom.bar(x, [row["loop_wakeups_per_s"] for row in mine], color=color)
+    top.set_ylabel("200s / s in the flood")
+    top.set_ylim(0.6 * min(row["ok_rps"] for row in segments), 1.2 * max(row["ok_rps"] for row in segments))
+    top.legend(fontsize=7, loc="upper center", ncol=2)
+    bottom.set_ylabel("event-loop wake-ups / s")
+    bottom.set_xlabel(f"segment ({args.seconds:g} s each, the flood at {flood_rate:.0f} req/s)")
+    fig.suptitle(f"{args.bundle}: a {args.factor:g}x flood alternating between two servers", fontsize=10)
+    save_figure(fig, args.out / f"{stem}.png", dpi=110)
+    lines = header(f"Overload A/B: {args.bundle} under a {args.factor:g}x flood, {names['B']}",
+                   ("onnxruntime", "fastapi", "uvicorn"), load_before)  # fmt: skip
+    lines += [
+        f"Two servers (`python -m service`, 1 ORT thread, log level warning) pinned to core 0, **A** {names['A']}, "
+        f"**B** {names['B']}; the load generator (this script's asyncio HTTP/1.1 client, {WHAT_IS_SENT[task]}) on "
+        f"core 1. An open-loop flood at {flood_rate:.0f} req/s ({args.factor:g}x A's best closed-loop throughput) "
+        f"in {args.segments} segments of {args.seconds:g} s, to A and B in turn (A B B A ...), the other idle; each "
+        "segment counted from its second second. Saturation: closed loop at 8 and 16 clients, 8 s each, before "
+        "the segments and after (the best of the two, the mean of before and after). Exit codes on SIGTERM: "
+        f"{exit_codes}.",
+        "",
+        *markdown_table(summary, {"server": "server", "saturated_rps": "saturated (req/s)",
+                                  "ok_rps": "200/s in the flood (median of segments)",
+                                  "goodput": "goodput", "p99_ms": "p99 ms (median)",
+                                  "loop_share": "event loop's share of the core (median)",
+                                  "loop_wakeups_per_s": "its wake-ups / s (median)",
+                                  "failures": "5xx + transport"}),
+        "",
+        f"B's 200/s over A's, in each pair of neighbouring segments: "
+        f"{', '.join(f'{ratio:.3f}' for ratio in pairs)} (median {statistics.median(pairs):.3f}; "
+        f"B ahead in {sum(ratio > 1 for ratio in pairs)} of {len(pairs)}).",
+        "",
+        "## Segments",
+        "",
+        *markdown_table(segments, {"segment": "segment", "server": "server", "ok_rps": "200/s", "p99_ms": "p99 ms",
+                                   "rejected_429": "429", "failures": "5xx + transport",
+                                   "loop_share": "event loop (share)", "other_share": "other threads",
+                                   "loop_wakeups_per_s": "loop wake-ups / s", "lag_p99_ms": "generator lag p99 ms"}),
+        "",
+        "## Saturation",
+        "",
+        *markdown_table(saturations, {"server": "server", "when": "when", "clients": "clients",
+                                      "throughput_rps": "200/s", "p99_ms": "p99 ms",
+                                      "loop_share": "event loop (share)"}),
+        "",
+        f"![200s and wake-ups per segment]({stem}.png)",
+        "",
+    ]  # fmt: skip
+    write_markdown(args.out / f"{stem}.md", lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bundle", default="classify-linformer")
@@ -207,11 +327,17 @@ def main() -> None:
     parser.add_argument("--concurrencies", help="closed-loop clients for the saturation run (default: 4,8,16 for "
                         "a classify bundle, 4,8,16,32 for a translate one)")  # fmt: skip
     parser.add_argument("--setting", action="append", default=[], help="extra LINFORMER_X=value for the server")
+    parser.add_argument("--alternate", metavar="K=V[,K=V...]",
+                        help="A/B: the flood alternates between the server as set and one with these settings added")
+    parser.add_argument("--segments", type=int, default=16, help="with --alternate: flood segments, half each")
     parser.add_argument("--stem", help="results file name (default overload-<bundle>)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     args = parser.parse_args()
     load_before = load_average()
     task = bundle_task(args.bundle)
+    if args.alternate:
+        alternate(args, task, load_before)
+        return
     server = server_on_core_0(args.bundle, args.setting)
     port = server.port
     request = one_text_request(task)

@@ -7,6 +7,7 @@ An empty model name means the task is not configured at all.
 
 import gc
 import logging
+import os
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -195,6 +196,17 @@ def add_offline_docs(app: FastAPI) -> None:
         )
 
 
+def loop_thread_sched_batch() -> None:
+    """Make the calling thread (the event loop's) SCHED_BATCH, which Linux lets any thread do: its wake-ups no longer
+    preempt the running thread (the model's), so requests that arrive during a batch are read together once the
+    batch or the model's time slice ends; its share of the core stays the fair one (Settings.event_loop_sched_batch).
+    Threads started later inherit it. Elsewhere, or where a sandbox forbids it, it stays as it was."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: this thread, on Linux
+    except (AttributeError, OSError) as e:  # not Linux, or seccomp without sched_setscheduler
+        log.info("event loop thread left at its scheduling policy (%s)", e)
+
+
 def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper | None = None) -> FastAPI:
     settings = settings or Settings()
     state = ServiceState(settings=settings, metrics=Metrics())
@@ -215,6 +227,8 @@ def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper
             # load then walks only what requests allocate, instead of pausing every request for all of them
             gc.collect()
             gc.freeze()
+        if settings.event_loop_sched_batch:
+            loop_thread_sched_batch()  # after the compute threads started: they keep SCHED_OTHER
         yield
         # uvicorn has stopped accepting and waited for in-flight requests; finish anything still queued
         for batcher in batchers:

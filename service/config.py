@@ -109,6 +109,12 @@ class Settings(BaseSettings):
 
     # gc.freeze() once the models are loaded (see service/app.py); off only to measure what it changes
     gc_freeze: bool = True
+    # Linux: the event loop's thread runs as SCHED_BATCH (unprivileged), so a request arriving while a batch
+    # computes no longer preempts the model's thread at once; the loop reads what arrived at the end of the
+    # model's time slice or batch, several requests a wake-up, at the same fair share of the core. A 3x /classify
+    # flood on one core: ~310 instead of ~870 loop wake-ups a second and ~2 % more answers, closed-loop load level
+    # (benchmarks/results/sched-batch-session28/). Off: SCHED_OTHER, as before.
+    event_loop_sched_batch: bool = True
 
     # ONNX Runtime
     ort_intra_op_threads: int = Field(0, ge=0)  # 0 = ORT default (one per physical core)

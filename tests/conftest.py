@@ -111,7 +111,10 @@ async def running_service(settings, wrap_runtime=None):
 def make_settings(models_dir: Path, **overrides):
     from service.config import Settings
 
-    defaults = {"models_dir": models_dir, "ort_intra_op_threads": 1, "log_level": "warning"}
+    # the lifespan runs on the test's own thread here: it stays SCHED_OTHER (else the processes later tests start
+    # would inherit SCHED_BATCH in every thread)
+    defaults = {"models_dir": models_dir, "ort_intra_op_threads": 1, "log_level": "warning",
+                "event_loop_sched_batch": False}
     return Settings(_env_file=None, **{**defaults, **overrides})
 
 

@@ -330,6 +330,21 @@ def test_after_the_drain_new_connections_are_refused_but_a_request_on_an_open_on
     assert proc.returncode == 0, out
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="Linux scheduling policies")
+@pytest.mark.parametrize("sched_batch", [True, False])
+def test_the_served_event_loop_runs_as_sched_batch_unless_turned_off(models_dir, sched_batch):
+    port = free_port()
+    env = {"LINFORMER_DRAIN_S": "0", "LINFORMER_EVENT_LOOP_SCHED_BATCH": str(sched_batch).lower()}
+    proc = start(["-m", "service", "--models-dir", str(models_dir), "--port", str(port)], port, env=env)
+    try:
+        httpx.post(f"http://127.0.0.1:{port}/classify", json={"text": "the film was great"}).raise_for_status()
+        loop_policy = os.sched_getscheduler(proc.pid)  # the main thread's id is the process's
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
+    assert loop_policy == (os.SCHED_BATCH if sched_batch else os.SCHED_OTHER)
+
+
 def test_onnxruntime_telemetry_stays_off_unless_the_operator_turns_it_on(models_dir, tmp_path):
     """ONNX Runtime's official Linux builds (1.29 and later) write a device id and queue usage events (model file
     names, graph hashes) in the user's cache for upload to Microsoft, unless ORT_DISABLE_TELEMETRY=1 is set before
