@@ -196,15 +196,19 @@ def add_offline_docs(app: FastAPI) -> None:
         )
 
 
-def loop_thread_sched_batch() -> None:
+def loop_thread_sched_batch() -> int | None:
     """Make the calling thread (the event loop's) SCHED_BATCH, which Linux lets any thread do: its wake-ups no longer
     preempt the running thread (the model's), so requests that arrive during a batch are read together once the
     batch or the model's time slice ends; its share of the core stays the fair one (Settings.event_loop_sched_batch).
-    Threads started later inherit it. Elsewhere, or where a sandbox forbids it, it stays as it was."""
+    Threads started later inherit it. Returns the policy it had, to put back at shutdown; None where it stays as it
+    was (not Linux, or a sandbox that forbids the call)."""
     try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: this thread, on Linux
-    except (AttributeError, OSError) as e:  # not Linux, or seccomp without sched_setscheduler
+        before = os.sched_getscheduler(0)  # 0: this thread, on Linux
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError) as e:
         log.info("event loop thread left at its scheduling policy (%s)", e)
+        return None
+    return before
 
 
 def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper | None = None) -> FastAPI:
@@ -227,12 +231,14 @@ def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper
             # load then walks only what requests allocate, instead of pausing every request for all of them
             gc.collect()
             gc.freeze()
-        if settings.event_loop_sched_batch:
-            loop_thread_sched_batch()  # after the compute threads started: they keep SCHED_OTHER
+        # after the compute threads started: they keep SCHED_OTHER
+        policy_before = loop_thread_sched_batch() if settings.event_loop_sched_batch else None
         yield
         # uvicorn has stopped accepting and waited for in-flight requests; finish anything still queued
         for batcher in batchers:
             await batcher.close()
+        if policy_before is not None:  # the thread is the caller's again (an app run inside another program)
+            os.sched_setscheduler(0, policy_before, os.sched_param(0))
         log.info("batchers drained, shutting down")
 
     app = ServiceApp(

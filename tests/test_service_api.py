@@ -273,13 +273,12 @@ async def test_fastapis_telemetry_check_is_made_once_at_start_up(models_dir, mon
 @pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="Linux scheduling policies")
 async def test_sched_batch_goes_to_the_event_loops_thread_and_not_to_the_models_compute_threads(models_dir):
     """The compute threads start before the lifespan sets the loop's policy (threads inherit it when they start):
-    the model's thread must stay SCHED_OTHER, or nothing would be left that a wake-up of the loop does not preempt."""
-    before = os.sched_getscheduler(0)
-    try:
-        async with running_service(make_settings(models_dir, event_loop_sched_batch=True)) as client:
-            assert (await client.post("/classify", json={"text": "A fine film."})).status_code == 200
-            assert os.sched_getscheduler(0) == os.SCHED_BATCH  # 0: this thread, the one running the loop
-            compute = [thread.native_id for thread in threading.enumerate() if thread.name.startswith("infer-")]
-            assert compute and {os.sched_getscheduler(tid) for tid in compute} == {os.SCHED_OTHER}
-    finally:
-        os.sched_setscheduler(0, before, os.sched_param(0))  # later tests' servers would inherit it
+    the model's thread must stay SCHED_OTHER, or nothing would be left that a wake-up of the loop does not preempt.
+    At shutdown the thread gets its policy back (later tests' servers would inherit it, as would a program's)."""
+    before = os.sched_getscheduler(0)  # 0: this thread, the one running the loop
+    async with running_service(make_settings(models_dir, event_loop_sched_batch=True)) as client:
+        assert (await client.post("/classify", json={"text": "A fine film."})).status_code == 200
+        assert os.sched_getscheduler(0) == os.SCHED_BATCH != before
+        compute = [thread.native_id for thread in threading.enumerate() if thread.name.startswith("infer-")]
+        assert compute and {os.sched_getscheduler(tid) for tid in compute} == {os.SCHED_OTHER}
+    assert os.sched_getscheduler(0) == before
