@@ -26,7 +26,7 @@ refusals come as fast as the server writes them. Writes overload-storm-<bundle>.
 settings added; the flood goes to one at a time in `--segments` segments of `--seconds` each (A B B A A B ...: a
 drift of the core's speed falls on both), the other idling meanwhile. Each segment's 200s per second after its
 first second (connections opened, shedding engaged), the event loop's share of the core and its wake-ups (context
-switches of its thread); closed-loop saturation of each, at 8 and 16 clients, before and after. A difference
+switches of its thread); closed-loop saturation of each (`--concurrencies`), before and after. A difference
 smaller than a whole run's spread shows here, where separate runs minutes apart cannot tell it. Writes
 overload-alternate-<bundle>.{csv,md,png}.
 """
@@ -215,13 +215,15 @@ def alternate(args: argparse.Namespace, task: str, load_before: str) -> None:
     names = {"A": "as set" + (f" ({', '.join(args.setting)})" if args.setting else " (defaults)"),
              "B": f"with {', '.join(extra)}"}
     request = one_text_request(task)
+    concurrencies = [int(clients) for clients in (args.concurrencies or SATURATING[task]).split(",")]
     saturations: list[dict] = []
     segments: list[dict] = []
     try:
         for server in servers.values():
             asyncio.run(closed_loop(server.port, request, 8, 3.0))  # warm-up
         for label, server in servers.items():
-            saturations += [{"server": label, **row} for row in saturation_run(server, request, [8, 16], "before")]
+            rows = saturation_run(server, request, concurrencies, "before")
+            saturations += [{"server": label, **row} for row in rows]
         flood_rate = args.factor * max(row["throughput_rps"] for row in saturations if row["server"] == "A")
         for i in range(args.segments):
             label = "AB"[(i + i // 2) % 2]  # A B B A A B B A ...
@@ -237,7 +239,7 @@ def alternate(args: argparse.Namespace, task: str, load_before: str) -> None:
                              "lag_p99_ms": measured["generator_lag_p99_ms"], **shares})  # fmt: skip
             print(f"segment {i + 1} ({label}): {segments[-1]}", flush=True)
         for label, server in reversed(servers.items()):
-            saturations += [{"server": label, **row} for row in saturation_run(server, request, [8, 16], "after")]
+            saturations += [{"server": label, **row} for row in saturation_run(server, request, concurrencies, "after")]
     finally:
         exit_codes = {label: server.stop() for label, server in servers.items()}
     summary = []
@@ -278,8 +280,9 @@ def alternate(args: argparse.Namespace, task: str, load_before: str) -> None:
         f"**B** {names['B']}; the load generator (this script's asyncio HTTP/1.1 client, {WHAT_IS_SENT[task]}) on "
         f"core 1. An open-loop flood at {flood_rate:.0f} req/s ({args.factor:g}x A's best closed-loop throughput) "
         f"in {args.segments} segments of {args.seconds:g} s, to A and B in turn (A B B A ...), the other idle; each "
-        "segment counted from its second second. Saturation: closed loop at 8 and 16 clients, 8 s each, before "
-        "the segments and after (the best of the two, the mean of before and after). Exit codes on SIGTERM: "
+        f"segment counted from its second second. Saturation: closed loop at {', '.join(map(str, concurrencies))} "
+        "clients, 8 s each, before the segments and after (the best of them, the mean of before and after). Exit "
+        "codes on SIGTERM: "
         f"{exit_codes}.",
         "",
         *markdown_table(summary, {"server": "server", "saturated_rps": "saturated (req/s)",
