@@ -259,7 +259,7 @@ def alternate(args: argparse.Namespace, task: str, load_before: str) -> None:
     pairs = [pair["B"] / pair["A"] for pair in by_server]
     stem = args.stem or f"overload-alternate-{args.bundle}"
     args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out / f"{stem}.csv", segments + [{"server": row["server"], **row} for row in saturations])
+    write_csv(args.out / f"{stem}.csv", segments + saturations)
     fig, (top, bottom) = agg_subplots(2, 1, figsize=(9, 6), sharex=True)
     for label, color in (("A", "tab:blue"), ("B", "tab:green")):
         mine = [row for row in segments if row["server"] == label]
@@ -282,8 +282,7 @@ def alternate(args: argparse.Namespace, task: str, load_before: str) -> None:
         f"in {args.segments} segments of {args.seconds:g} s, to A and B in turn (A B B A ...), the other idle; each "
         f"segment counted from its second second. Saturation: closed loop at {', '.join(map(str, concurrencies))} "
         "clients, 8 s each, before the segments and after (the best of them, the mean of before and after). Exit "
-        "codes on SIGTERM: "
-        f"{exit_codes}.",
+        f"codes on SIGTERM: {exit_codes}.",
         "",
         *markdown_table(summary, {"server": "server", "saturated_rps": "saturated (req/s)",
                                   "ok_rps": "200/s in the flood (median of segments)",
