@@ -112,7 +112,7 @@ class Settings(BaseSettings):
     # Linux: the event loop's thread runs as SCHED_BATCH (unprivileged), so a request arriving while a batch
     # computes no longer preempts the model's thread at once; the loop reads what arrived at the end of the
     # model's time slice or batch, several requests a wake-up, at the same fair share of the core. A 3x /classify
-    # flood on one core: ~310 instead of ~870 loop wake-ups a second and ~2 % more answers, closed-loop load level
+    # flood on one core: ~310 instead of ~820-870 loop wake-ups a second and 2-6 % more answers, closed-loop load level
     # (benchmarks/results/sched-batch-session28/). Off: SCHED_OTHER, as before.
     event_loop_sched_batch: bool = True
 
