@@ -196,19 +196,22 @@ def add_offline_docs(app: FastAPI) -> None:
         )
 
 
-def loop_thread_sched_batch() -> int | None:
+def loop_thread_sched_batch() -> bool:
     """Make the calling thread (the event loop's) SCHED_BATCH, which Linux lets any thread do: its wake-ups no longer
     preempt the running thread (the model's), so requests that arrive during a batch are read together once the
     batch or the model's time slice ends; its share of the core stays the fair one (Settings.event_loop_sched_batch).
-    Threads started later inherit it. Returns the policy it had, to put back at shutdown; None where it stays as it
-    was (not Linux, or a sandbox that forbids the call)."""
+    Threads started later inherit it. Only from SCHED_OTHER, the default: a policy the operator chose (`chrt`) stays.
+    Returns True if it changed it (to put SCHED_OTHER back at shutdown), False where it stays as it was (not Linux,
+    another policy, or a sandbox that forbids the call)."""
     try:
-        before = os.sched_getscheduler(0)  # 0: this thread, on Linux
+        if os.sched_getscheduler(0) != os.SCHED_OTHER:  # 0: this thread, on Linux
+            log.info("event loop thread left at the scheduling policy it was started with")
+            return False
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     except (AttributeError, OSError) as e:
         log.info("event loop thread left at its scheduling policy (%s)", e)
-        return None
-    return before
+        return False
+    return True
 
 
 def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper | None = None) -> FastAPI:
@@ -232,13 +235,13 @@ def create_app(settings: Settings | None = None, *, wrap_runtime: RuntimeWrapper
             gc.collect()
             gc.freeze()
         # after the compute threads started: they keep SCHED_OTHER
-        policy_before = loop_thread_sched_batch() if settings.event_loop_sched_batch else None
+        sched_batch = settings.event_loop_sched_batch and loop_thread_sched_batch()
         yield
         # uvicorn has stopped accepting and waited for in-flight requests; finish anything still queued
         for batcher in batchers:
             await batcher.close()
-        if policy_before is not None:  # the thread is the caller's again (an app run inside another program)
-            os.sched_setscheduler(0, policy_before, os.sched_param(0))
+        if sched_batch:  # the thread is the caller's again (an app run inside another program)
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
         log.info("batchers drained, shutting down")
 
     app = ServiceApp(

@@ -282,3 +282,16 @@ async def test_sched_batch_goes_to_the_event_loops_thread_and_not_to_the_models_
         compute = [thread.native_id for thread in threading.enumerate() if thread.name.startswith("infer-")]
         assert compute and {os.sched_getscheduler(tid) for tid in compute} == {os.SCHED_OTHER}
     assert os.sched_getscheduler(0) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getscheduler"), reason="Linux scheduling policies")
+async def test_a_scheduling_policy_the_operator_chose_for_the_loop_is_left_alone(models_dir):
+    """`chrt --batch python -m service` (or any policy other than the default) is the operator's: the lifespan neither
+    changes it nor, at shutdown, sets SCHED_OTHER in its place."""
+    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # as if started so
+    try:
+        async with running_service(make_settings(models_dir, event_loop_sched_batch=True)):
+            assert os.sched_getscheduler(0) == os.SCHED_BATCH
+        assert os.sched_getscheduler(0) == os.SCHED_BATCH
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
