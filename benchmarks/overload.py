@@ -228,9 +228,8 @@ def alternate(args: argparse.Namespace, task: str, load_before: str) -> None:
         for i in range(args.segments):
             label = "AB"[(i + i // 2) % 2]  # A B B A A B B A ...
             server = servers[label]
-            mark, switches = cpu_mark(server), loop_switches(server)
-            records = asyncio.run(open_loop(server.port, request, [(args.seconds, flood_rate)]))
-            shares = core_shares(server, mark)
+            switches = loop_switches(server)
+            records, shares = asyncio.run(flood_round(server, request, [(args.seconds, flood_rate)]))
             measured = summarise([r for r in records if r.due_s >= 1.0], args.seconds - 1.0)
             segments.append({"segment": i + 1, "server": label, "ok_rps": measured["throughput_rps"],
                              "p99_ms": measured["p99_ms"], "rejected_429": measured["rejected_429"],
