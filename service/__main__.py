@@ -181,6 +181,44 @@ class _HeldRefusal:
     body = property(lambda self: b"", lambda self, _body: None)  # (uvicorn appends the body it reads to it)
 
 
+class _OneWriteResponses:
+    """The connection's transport as uvicorn's protocol and its request cycles see it, but for one thing: uvicorn
+    writes a response's head (status line and headers) and its body in two writes, each a system call and a TCP
+    segment of its own, and on one core each costs the core the model runs on. A head that announces a
+    content-length is held until the body's first bytes and goes out with them in one write (uvicorn writes the
+    body in the same step of the same task, straight after the head), or when the response completes without one
+    (HEAD) or its connection is closed. Everything else passes through: a 100 Continue, a chunked head, the
+    answers written whole (refusals, 400s)."""
+
+    __slots__ = ("transport", "head")
+
+    def __init__(self, transport: asyncio.Transport):
+        self.transport, self.head = transport, None
+
+    def write(self, data: bytes) -> None:
+        if self.head is not None:
+            data, self.head = self.head + data, None
+        elif data.endswith(b"\r\n\r\n") and b"\r\ncontent-length: " in data and data.startswith(b"HTTP/"):
+            self.head = data
+            return
+        self.transport.write(data)
+
+    def flush(self) -> None:
+        if self.head is not None:
+            self.transport.write(self.head)
+            self.head = None
+
+    def close(self) -> None:
+        self.flush()  # (a response started and not finished: its head goes out, as it did)
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:  # the rest of asyncio.Transport (flow control, extra info, ...)
+        return getattr(self.transport, name)
+
+
 def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, except that a POST to a task route is admitted (its slot taken) or refused as
     soon as its headers are parsed, and a refusal answered there, before uvicorn builds the request's scope path,
@@ -202,6 +240,7 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self.transport = _OneWriteResponses(transport)  # type: ignore[assignment]
             # uvicorn arms its keep-alive timeout only after an answer, so a connection that never sent a byte was
             # held for ever (each is an open file): it gets the same time as an idle keep-alive connection
             self._arm_keep_alive()
@@ -221,6 +260,10 @@ def _admitting_protocol(app: ServiceApp) -> type[HttpToolsProtocol]:
                 self.timeout_keep_alive_task = self.loop.call_later(KEEP_ALIVE_LATE_S, self.timeout_keep_alive_handler)
                 return
             super().timeout_keep_alive_handler()
+
+        def on_response_complete(self) -> None:
+            self.transport.flush()  # a HEAD answer's head: uvicorn writes no body for it
+            super().on_response_complete()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

@@ -595,6 +595,66 @@ async def test_a_refusal_is_written_by_the_header_parser_callback_without_an_asg
     protocol.connection_lost(None)
 
 
+class _WritesTransport(_RecordingTransport):
+    def __init__(self):
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        super().write(data)
+
+
+async def test_each_answer_is_one_write(models_dir):
+    """uvicorn writes a response's head and its body apart: two system calls and two TCP segments an answer, on
+    the core the model runs on. The served protocol writes each answer once: a body-carrying one, a HEAD answer
+    (no body), and one whose client asked for 100 Continue (that line goes out first, alone, as it must)."""
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from service.__main__ import _admitting_protocol
+    from service.app import create_app
+
+    app = create_app(make_settings(models_dir, translate_model=""))
+    protocol_class = _admitting_protocol(app)
+    config = uvicorn.Config(app, http=protocol_class, log_config=None)
+    config.load()
+    server_state = ServerState()
+    body = b'{"text": "the film was wonderful"}'
+    post = b"POST /classify HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n" % len(body)
+
+    async def answered(protocol: asyncio.Protocol, transport: _WritesTransport, request: bytes) -> list[bytes]:
+        transport.writes.clear()
+        protocol.data_received(request)
+        await asyncio.gather(*server_state.tasks)
+        return list(transport.writes)
+
+    async with app.router.lifespan_context(app):
+        protocol = protocol_class(config, server_state, {}, _loop=asyncio.get_running_loop())
+        transport = _WritesTransport()
+        protocol.connection_made(transport)
+        [answer] = await answered(protocol, transport, post + b"\r\n" + body)
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and json.loads(payload)["results"][0]["tokens"] > 0
+        [head_only] = await answered(protocol, transport, b"HEAD /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert head_only.startswith(b"HTTP/1.1 200 ") and head_only.endswith(b"\r\n\r\n")
+        assert b"\r\ncontent-length: " in head_only
+        [answer] = await answered(protocol, transport, b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'"ok"}')
+
+        transport.writes.clear()
+        protocol.data_received(post + b"expect: 100-continue\r\n\r\n")
+        for _ in range(100):  # the app asks for the body: uvicorn says 100 Continue first
+            if transport.writes:
+                break
+            await asyncio.sleep(0.01)
+        assert transport.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
+        protocol.data_received(body)
+        await asyncio.gather(*server_state.tasks)
+        assert len(transport.writes) == 2 and transport.writes[1].startswith(b"HTTP/1.1 200 ")
+        protocol.connection_lost(None)
+
+
 async def _asgi_post_without_body(app) -> tuple[int, dict, bytes]:
     sent: list[dict] = []
     never = asyncio.Event()
