@@ -171,17 +171,18 @@ class Server:
             time.sleep(0.3)
         raise RuntimeError(f"{self.name} did not become ready; see {log}")
 
-    def cpu_seconds(self) -> float:
-        """User + system CPU of the whole process tree (Mosec and Triton run several processes)."""
+    def cpu_seconds(self) -> tuple[float, float]:
+        """(user + system, system) CPU of the whole process tree (Mosec and Triton run several processes)."""
         root = psutil.Process(self.proc.pid)
-        total = 0.0
+        total = system = 0.0
         for proc in [root, *root.children(recursive=True)]:
             try:
                 times = proc.cpu_times()
                 total += times.user + times.system
+                system += times.system
             except psutil.NoSuchProcess:
                 pass
-        return total
+        return total, system
 
     def main_thread_cpu_seconds(self) -> float:
         """User + system CPU of the root process's main thread (`main_thread_cpu_s`); the rest of the tree makes up
@@ -310,16 +311,17 @@ def wrk(server: Server, connections: int, seconds: float) -> dict:
 def measure(server: Server, connections: int, seconds: float, model: dict) -> dict:
     wrk(server, connections, min(3.0, seconds))  # warm up at the measured concurrency
     texts0, batches0, inline0 = server.counters()
-    cpu0, loop0 = server.cpu_seconds(), server.main_thread_cpu_seconds()
+    (cpu0, kernel0), loop0 = server.cpu_seconds(), server.main_thread_cpu_seconds()
     result = wrk(server, connections, seconds)
-    cpu1, loop1 = server.cpu_seconds(), server.main_thread_cpu_seconds()
+    (cpu1, kernel1), loop1 = server.cpu_seconds(), server.main_thread_cpu_seconds()
     texts1, batches1, inline1 = server.counters()
     mean_batch = (texts1 - texts0) / (batches1 - batches0) if batches1 > batches0 else float("nan")
     cpu_ms = (cpu1 - cpu0) / max(result["requests"], 1) * 1000
+    kernel_ms = (kernel1 - kernel0) / max(result["requests"], 1) * 1000
     # the event loop's own CPU: the main thread's less the runtime calls it made itself (a lone short text)
     loop_ms = (loop1 - loop0 - (inline1 - inline0)) / max(result["requests"], 1) * 1000
     row = {"server": server.name, "connections": connections, **result, "mean_batch": mean_batch,
-           "cpu_ms_per_request": cpu_ms, "main_thread_cpu_ms": loop_ms,
+           "cpu_ms_per_request": cpu_ms, "kernel_cpu_ms": kernel_ms, "main_thread_cpu_ms": loop_ms,
            "ratio_to_model": result["rps"] / model["best_rate"]}  # fmt: skip
     return {**row, "cpu_ms_outside_run": cpu_ms_outside_run(row, model)}
 
@@ -389,8 +391,8 @@ def peer_versions(peers_python: str) -> dict:
 def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict, results: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fields = ["tokens", "server", "connections", "rps", "p50_ms", "p99_ms", "cpu_ms_per_request",
-              "cpu_ms_outside_run", "main_thread_cpu_ms", "mean_batch", "ratio_to_model", "requests", "non_2xx",
-              "socket_errors"]
+              "cpu_ms_outside_run", "kernel_cpu_ms", "main_thread_cpu_ms", "mean_batch", "ratio_to_model", "requests",
+              "non_2xx", "socket_errors"]
     with (out / f"{stem}.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -433,7 +435,9 @@ def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict,
         "alone is measured seconds away on a VM whose speed drifts, and a slower spell there can make the "
         "difference smaller than the loop's own CPU, even negative). Main thread CPU: the part on the server "
         "process's main thread (this service: the event loop, less the session.run calls it makes itself for a "
-        "lone short text, from its metrics; the rest is its inference thread, session.run included).",
+        "lone short text, from its metrics; the rest is its inference thread, session.run included). Kernel: the "
+        "system part of the server's CPU per request (socket reads and writes, epoll, futexes, scheduling; on "
+        "loopback a write also runs the receiving side's TCP processing).",
         "",
     ]
     for tokens, per_length in results.items():
@@ -448,14 +452,16 @@ def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict,
             f"**{model['batch1_p50_ms']:.3f} ms**.",
             "",
             "| server | connections | req/s | / model alone | p50 (ms) | p99 (ms) | CPU/request (ms) | "
-            "CPU outside session.run (ms) | main thread CPU (ms) | mean batch | non-2xx | socket errors |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "CPU outside session.run (ms) | kernel (ms) | main thread CPU (ms) | mean batch | non-2xx | "
+            "socket errors |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in per_length["rows"]:
             lines.append(
                 f"| {row['server']} | {row['connections']} | {row['rps']:.0f} | {row['ratio_to_model']:.2f} | "
                 f"{row['p50_ms']:.2f} | {row['p99_ms']:.1f} | {row['cpu_ms_per_request']:.3f} | "
-                f"{row['cpu_ms_outside_run']:.3f} | {main_thread_cell(row)} | {row['mean_batch']:.1f} | "
+                f"{row['cpu_ms_outside_run']:.3f} | {row['kernel_cpu_ms']:.3f} | {main_thread_cell(row)} | "
+                f"{row['mean_batch']:.1f} | "
                 f"{row['non_2xx']} | {row['socket_errors'] or '-'} |"
             )
         lines.append("")
@@ -591,7 +597,8 @@ def main() -> None:
                         print(f"{len(ids)} tokens, {server.name:>18}, c={connections:<3} {row['rps']:7.0f} req/s "
                               f"({row['ratio_to_model']:.2f} of model) p50 {row['p50_ms']:7.2f} p99 "
                               f"{row['p99_ms']:7.1f} ms, CPU/req {row['cpu_ms_per_request']:.3f} (outside run "
-                              f"{row['cpu_ms_outside_run']:.3f}) ms, batch {row['mean_batch']:.1f}, non-2xx "
+                              f"{row['cpu_ms_outside_run']:.3f}, kernel {row['kernel_cpu_ms']:.3f}) ms, batch "
+                              f"{row['mean_batch']:.1f}, non-2xx "
                               f"{row['non_2xx']}, socket errors {row['socket_errors'] or 'none'}",
                               flush=True)  # fmt: skip
                 rows += [median_row(turns[server.name]) for server in servers]
