@@ -436,8 +436,8 @@ def write_report(out: Path, stem: str, command: str, bundle: Bundle, info: dict,
         "difference smaller than the loop's own CPU, even negative). Main thread CPU: the part on the server "
         "process's main thread (this service: the event loop, less the session.run calls it makes itself for a "
         "lone short text, from its metrics; the rest is its inference thread, session.run included). Kernel: the "
-        "system part of the server's CPU per request (socket reads and writes, epoll, futexes, scheduling; on "
-        "loopback a write also runs the receiving side's TCP processing).",
+        "system part of the server's CPU per request (socket reads and writes, epoll, futexes, scheduling; the network "
+        "softirq work, on loopback the receiving side's TCP processing, is the machine's time, not the process's).",
         "",
     ]
     for tokens, per_length in results.items():
