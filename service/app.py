@@ -56,7 +56,7 @@ def make_runtime(bundle: Bundle, providers: list[str], settings: Settings):
         )  # fmt: skip
         runtime.run(ids, mask, (1, 4))  # the first runs allocate and pick kernels: not in someone's request
         return runtime
-    # the classifier always has its arena; it is shrunk after big batches unless told to keep its peak
+    # the classifier always has its arena; it is shrunk after big batches (once idle) unless told to keep its peak
     shrink_from_tokens = None if settings.ort_cpu_mem_arena else settings.ort_arena_shrink_tokens
     runtime = ClassifierRuntime(session("model", cpu_mem_arena=True), shrink_from_tokens=shrink_from_tokens)
     runtime.run(np.full((1, 8), bundle.bos_id, dtype=np.int64), mask)
@@ -128,7 +128,10 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
         else:
             cut_in_ratio = settings.translate_cut_in_ratio if task == "translate" else 0
             inline_max_s = INLINE_MAX_S if task == "classify" else 0.0  # a classifier's time follows its input
-            batcher = Batcher(run_batch, cut_in_ratio=cut_in_ratio, inline_max_s=inline_max_s, **batching)
+            # a classifier holding a big batch's memory gives it back once its compute thread has idled a while
+            release = getattr(runtime, "release_memory", None)
+            batcher = Batcher(run_batch, cut_in_ratio=cut_in_ratio, inline_max_s=inline_max_s, on_idle=release,
+                              idle_s=settings.ort_arena_release_s, **batching)  # fmt: skip
         state.models[task] = ModelService(bundle, tokenizer, batcher, execution_provider=runtime.provider)
         log.info(
             "serving %s: task=%s attention=%s n_max=%d k=%s from %s on %s",

@@ -95,10 +95,12 @@ class _ComputeThread:
 
     A plain queue and a future resolved through `call_soon_threadsafe`: a round trip costs ~18 µs of one core
     where `loop.run_in_executor` with a ThreadPoolExecutor costs ~45 µs (its concurrent Future, work item,
-    thread-count check and the asyncio wrapper around the future), paid once per batch."""
+    thread-count check and the asyncio wrapper around the future), paid once per batch. `on_idle`, if given, runs
+    on the thread each time it has had no call for `idle_s` (> 0) seconds."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, on_idle: Callable[[], None] | None = None, idle_s: float = 1.0):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._on_idle, self._idle_s = on_idle, idle_s if on_idle is not None else None
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -114,7 +116,17 @@ class _ComputeThread:
         self._thread.join()
 
     def _serve(self) -> None:
-        while (call := self._calls.get()) is not None:
+        while True:
+            try:
+                call = self._calls.get(timeout=self._idle_s)
+            except queue.Empty:
+                try:
+                    self._on_idle()  # type: ignore[misc]
+                except Exception:  # the batches go on: logged, not raised into nobody
+                    log.exception("%s: its idle call failed", self._thread.name)
+                continue
+            if call is None:
+                break
             loop, future, fn, args = call
             try:
                 outcome, failed = fn(*args), False
@@ -201,13 +213,17 @@ class Batcher:
         max_batch_size_by_length: Mapping[int, int] | None = None,
         cut_in_ratio: int = 0,
         inline_max_s: float = 0.0,
+        on_idle: Callable[[], None] | None = None,
+        idle_s: float = 1.0,
     ):
         """`max_queue` bounds the summed `cost` of the items waiting (texts, when every cost is 1).
         `max_batch_size_by_length` (measured length -> batch size, from the bundle's calibration) caps a batch
         further by its padded length, taken to the next measured length up (beyond the longest, its cap).
         `cut_in_ratio` (0: none): how much shorter a queued batch must be to cut in (module docstring).
         `inline_max_s` (0: never): a lone text expected to compute within it runs on the event loop (INLINE_MAX_S);
-        for a runtime whose time follows the text's length (a classifier, not a decoder)."""
+        for a runtime whose time follows the text's length (a classifier, not a decoder).
+        `on_idle` runs on the compute thread whenever no batch has come to it for `idle_s` (a runtime's memory
+        release: under load, never)."""
         self.run_batch = run_batch
         self.name = name
         self.pad_id = pad_id
@@ -225,7 +241,7 @@ class Batcher:
         self._closing = False
         self._worker: asyncio.Task | None = None
         # one thread: batches of a model run one at a time, ORT's intra-op threads use the cores
-        self._compute_thread = _ComputeThread(f"infer-{name}")
+        self._compute_thread = _ComputeThread(f"infer-{name}", on_idle, idle_s)
         self._queued_cost = 0
         self._cost_per_s = 0.0  # moving average of cost computed per second of compute, for Retry-After
         # lone texts' runtime seconds per token (moving average), by length class (`int.bit_length`: 8-15 tokens,

@@ -305,6 +305,27 @@ async def test_the_compute_thread_answers_in_order_raises_its_errors_and_outlive
     assert not thread._thread.is_alive()
 
 
+async def test_the_compute_thread_calls_on_idle_only_after_a_pause_and_survives_its_errors():
+    """A runtime's memory release (`on_idle`) runs on the compute thread when it has had no call for `idle_s`, never
+    between calls that keep coming, and an error in it is logged, not the end of the thread."""
+    idles: list[float] = []
+
+    def on_idle():
+        idles.append(time.monotonic())
+        if len(idles) == 1:
+            raise RuntimeError("release broke")
+
+    thread = _ComputeThread("test-idle", on_idle=on_idle, idle_s=0.3)
+    for _ in range(8):  # back to back for ~0.8 s, each call well within idle_s of the last
+        await thread.call(time.sleep, 0.1)
+    assert idles == []
+    ended = time.monotonic()
+    await asyncio.sleep(0.8)
+    assert len(idles) >= 2 and idles[0] - ended >= 0.29  # after a pause of idle_s, then again each idle_s
+    assert await thread.call(lambda: "still serving") == "still serving"
+    thread.close()
+
+
 async def test_a_lone_short_text_runs_on_the_event_loop_and_everything_else_on_the_compute_thread():
     """With `inline_max_s` (/classify's), a batch of one text with nothing queued behind it that lone texts of its
     length class computed within it skips the trip to the compute thread; a longer text, a batch while others queue,

@@ -18,11 +18,11 @@ class BundleClassifier:
     def __init__(self, bundle_dir: str):
         self.bundle = load_bundle(Path(bundle_dir))
         self.tokenizer = Tokenizer.from_bundle(self.bundle)
-        # the service's classifier session (service/app.py): ORT's arena on, shrunk after batches of 4096 padded
-        # tokens or more (LINFORMER_ORT_ARENA_SHRINK_TOKENS' default; the peers' venv has no pydantic-settings)
+        # the service's classifier session (service/app.py): ORT's arena on (the service shrinks it only once its
+        # compute thread has idled for a second, which a benchmark's steady load never lets it)
         session = make_session(self.bundle.onnx_path("model"), [CPU], intra_op_threads=1, inter_op_threads=1,
                                cpu_mem_arena=True)  # fmt: skip
-        self.runtime = ClassifierRuntime(session, shrink_from_tokens=4096)
+        self.runtime = ClassifierRuntime(session)
 
     def classify(self, texts: list[str]) -> list[dict]:
         """Texts -> one result per text, as the service answers them (truncating texts over n_max)."""
