@@ -86,7 +86,8 @@ def text_of_length(tokenizer: Tokenizer, n_tokens: int) -> tuple[str, list[int]]
 
 def model_alone(bundle: Bundle, ids: list[int], seconds: float) -> dict:
     """On the servers' core, one ORT thread, the service's session settings (its classifier's, service/app.py:
-    ORT's CPU arena and memory patterns on; these batches stay below the size after which it shrinks the arena):
+    ORT's CPU arena and memory patterns on; the service gives a big batch's memory back only once idle, never
+    between back-to-back runs):
     texts/s and CPU ms per text at each batch size, and the batch-1 p50 latency."""
     pin_to({int(SERVER_CORE)})
     session = make_session(bundle.onnx_path("model"), [CPU], intra_op_threads=1, inter_op_threads=1,
