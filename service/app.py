@@ -120,6 +120,9 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
             metrics=metrics,
             # the measured size per length applies under the measured budget; an explicit budget alone decides
             max_batch_size_by_length=None if settings.max_batch_tokens else bundle.max_batch_size_by_length,
+            # a model holding a big batch's memory gives it back once its compute thread has idled a while
+            on_idle=runtime.release_memory,
+            idle_s=settings.memory_release_s,
         )
         if task == "translate" and settings.translate_scheduling == "step":  # sources join and leave between steps
             # short first steps the narrow width classes alone; the throughput policy steps every row in one call
@@ -128,10 +131,7 @@ def load_models(state: ServiceState, wrap_runtime: RuntimeWrapper | None = None)
         else:
             cut_in_ratio = settings.translate_cut_in_ratio if task == "translate" else 0
             inline_max_s = INLINE_MAX_S if task == "classify" else 0.0  # a classifier's time follows its input
-            # a classifier holding a big batch's memory gives it back once its compute thread has idled a while
-            release = getattr(runtime, "release_memory", None)
-            batcher = Batcher(run_batch, cut_in_ratio=cut_in_ratio, inline_max_s=inline_max_s, on_idle=release,
-                              idle_s=settings.ort_arena_release_s, **batching)  # fmt: skip
+            batcher = Batcher(run_batch, cut_in_ratio=cut_in_ratio, inline_max_s=inline_max_s, **batching)
         state.models[task] = ModelService(bundle, tokenizer, batcher, execution_provider=runtime.provider)
         log.info(
             "serving %s: task=%s attention=%s n_max=%d k=%s from %s on %s",

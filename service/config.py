@@ -124,15 +124,17 @@ class Settings(BaseSettings):
     # allocates afresh, which made classify batches of 8+ 1.5-3x slower per text; kept for the life of the
     # process, one huge batch's peak stays (85 MB more after one 64-text beam-8 translation,
     # benchmarks/results/memory.md). So, false (the default): the classifier keeps its arena but hands it back
-    # once it has run no batch for ort_arena_release_s after a batch of at least ort_arena_shrink_tokens padded
+    # once it has run no batch for memory_release_s after a batch of at least ort_arena_shrink_tokens padded
     # tokens, and the translator, whose every batch is big, runs without one. true: every session keeps its
     # arena's peak.
     ort_cpu_mem_arena: bool = False
     # one text at the classify bundles' n_max (4096): normal batches (the calibrated budget) stay below it
     ort_arena_shrink_tokens: int = Field(4096, ge=1)
-    # not at once: each big batch would take its memory back from the OS (a 4,096-token text: ~21 ms of page
-    # faults on a ~48 ms run); a second's pause costs a client sending one such text a second ~2 %
-    ort_arena_release_s: float = Field(1.0, gt=0)
+    # a model that ran a big batch (the classifier's above, a translation's decode buffers of 16 MB or more) gives
+    # what it freed back to the OS once it has had no batch for this long, not at once: each big batch would take
+    # that memory back from the OS (a 4,096-token text: ~21 ms of page faults on a ~48 ms run); a second's pause
+    # costs a client sending one such text a second ~2 %
+    memory_release_s: float = Field(1.0, gt=0)
 
     # server
     host: str = "127.0.0.1"

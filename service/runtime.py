@@ -17,9 +17,10 @@ log = logging.getLogger(__name__)
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
-# A decode whose buffers reached this size is followed by `_return_freed_memory` (a small one's pages are reused
-# by the next; trimming them costs ~0.2 ms per request plus the page faults of taking them back, 5-10 % of a
-# single-stream sentence)
+# A decode whose buffers reached this size leaves `_return_freed_memory` to the runtime's `release_memory` (a small
+# one's pages are reused by the next; trimming them costs ~0.2 ms per request plus the page faults of taking them
+# back, 5-10 % of a single-stream sentence; trimmed after each big decode, a single stream of four-paragraph beam-4
+# requests spent about twice the system time of a trim that waits for the model to idle)
 BIG_DECODE_BYTES = 16 << 20
 # Decode buffers up to this size outlive their last source, for the next one (TranslatorRuntime.take_spare). New
 # ones cost each sentence their IO binding (~20 bind calls, ~0.17 ms, about half a decoder step at batch 1) and
@@ -100,7 +101,7 @@ class ClassifierRuntime:
     `shrink_from_tokens`: once a batch of at least this many padded tokens has run, `release_memory` hands the
     memory it took back to the OS: ORT's arena frees its unused regions (the run option below, on a one-text run)
     and glibc its freed pages. The batcher's compute thread calls it whenever it has had no batch for a while
-    (LINFORMER_ORT_ARENA_RELEASE_S), not after each big batch: taking the memory back costs the next big batch its
+    (LINFORMER_MEMORY_RELEASE_S), not after each big batch: taking the memory back costs the next big batch its
     page faults (a 4,096-token text: ~21 ms of kernel time on a ~48 ms run, 0.65 of the model's rate when every
     run shrank). Smaller batches keep what they used in the arena, so the next batch of that size allocates nothing.
     None: never."""
@@ -223,6 +224,7 @@ class TranslatorRuntime:
         self.cross_last_names = [f"cross_last_{kind}_{i}" for i, kind in kinds]
         self.vocab_size = decoder.get_outputs()[0].shape[-1]
         self._spare: _DecodeBuffers | None = None  # left by the last decode (SPARE_DECODE_BYTES)
+        self.holding = False  # a big decode ended since the last release: its freed pages are still the process's
 
     @property
     def provider(self) -> str:
@@ -251,6 +253,13 @@ class TranslatorRuntime:
             return [outputs[row] for row in range(len(input_ids))]
         finally:  # an abandoned or failed batch's rows leave too, and LiveDecode trims after big buffers
             live.drop(sources)
+
+    def release_memory(self) -> None:
+        """If a big decode ended since the last call, give the heap pages it freed back to the OS (the batcher's
+        compute thread calls it once the model idles, on the thread that decodes)."""
+        if self.holding:
+            self.holding = False
+            _return_freed_memory()
 
     def take_spare(self, rows: int, memory: int) -> "_DecodeBuffers | None":
         """The buffers a decode left (`keep_spare`), if they hold `rows` rows and `memory` cross positions but not
@@ -581,8 +590,9 @@ class LiveDecode:
     """
 
     def __init__(self, runtime: TranslatorRuntime, width_classes: bool = True):
-        """When the last source leaves after buffers of BIG_DECODE_BYTES or more, freed heap pages go back to the
-        OS, so a burst does not leave the process at its peak (one batch of `run`, or a long-lived decode loop)."""
+        """When the last source leaves after buffers of BIG_DECODE_BYTES or more, the runtime holds freed heap pages
+        that `release_memory` gives back to the OS once the model idles, so a burst does not leave the process at its
+        peak (one batch of `run`, or a long-lived decode loop)."""
         self.runtime = runtime
         self.width_classes = width_classes
         self.cohorts: dict[int, _Cohort] = {}  # width class -> its rows, narrowest first
@@ -667,7 +677,7 @@ class LiveDecode:
     def _forget_empty_cohorts(self) -> None:
         self.cohorts = {width: cohort for width, cohort in self.cohorts.items() if cohort.searches}
         if not self.cohorts and self.peak_bytes >= BIG_DECODE_BYTES:
-            _return_freed_memory()
+            self.runtime.holding = True
             self.peak_bytes = 0
 
 
