@@ -251,7 +251,7 @@ class TranslatorRuntime:
                     raise error
                 outputs.update(finished)
             return [outputs[row] for row in range(len(input_ids))]
-        finally:  # an abandoned or failed batch's rows leave too, and LiveDecode trims after big buffers
+        finally:  # an abandoned or failed batch's rows leave too (LiveDecode notes big buffers for release_memory)
             live.drop(sources)
 
     def release_memory(self) -> None:
