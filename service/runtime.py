@@ -102,7 +102,7 @@ class ClassifierRuntime:
     memory it took back to the OS: ORT's arena frees its unused regions (the run option below, on a one-text run)
     and glibc its freed pages. The batcher's compute thread calls it whenever it has had no batch for a while
     (LINFORMER_MEMORY_RELEASE_S), not after each big batch: taking the memory back costs the next big batch its
-    page faults (a 4,096-token text: ~21 ms of kernel time on a ~48 ms run, 0.65 of the model's rate when every
+    page faults (a 4,096-token text: ~13-21 ms of kernel time on a ~48 ms run, 0.64-0.76 of the model's rate when every
     run shrank). Smaller batches keep what they used in the arena, so the next batch of that size allocates nothing.
     None: never."""
 
