@@ -47,7 +47,8 @@ def floor_port():
 def _metrics(port: int) -> dict[str, float]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     conn.request("GET", "/metrics")
-    return {name: float(value) for name, value in (line.split() for line in conn.getresponse().read().decode().splitlines())}
+    lines = conn.getresponse().read().decode().splitlines()
+    return {name: float(value) for name, value in (line.split() for line in lines)}
 
 
 def test_the_floor_answers_each_text_with_the_models_label_in_batches(floor_port):

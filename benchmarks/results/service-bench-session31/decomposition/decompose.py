@@ -49,7 +49,8 @@ def main() -> None:
     bundle = load_bundle(args.bundle)
     text, ids = text_of_length(Tokenizer.from_bundle(bundle), args.tokens)
     model = model_alone(bundle, ids, seconds=2.0)
-    service, floor = make_servers(bundle, text, [], "", [], floor_batch=model["best_batch"])
+    floor_batch = model["best_batch"]  # this first measurement's (the table gives the best of two)
+    service, floor = make_servers(bundle, text, [], "", [], floor_batch=floor_batch)
     steps = [Server(name, [sys.executable, str(HERE / "steps_servers.py"), front, "--port", "{port}"], service.env,
                     "/classify", service.body, "/", service.batch_metrics)  # fmt: skip
              for name, front in (("bare protocol + the request steps", "bare"),
@@ -81,7 +82,8 @@ def main() -> None:
         f"- machine: {info['nproc']} cores, {info['cpu']}; python {info['python']}, onnxruntime "
         f"{info['onnxruntime']}, uvicorn {info['uvicorn']}; git commit {info['git_commit']}",
         f"- model alone: batch-1 p50 {model['batch1_p50_ms']:.3f} ms; best batch {model['best_batch']}, "
-        f"{model['best_rate']:.0f} texts/s, {model['cpu_ms'][model['best_batch']]:.3f} ms CPU per text",
+        f"{model['best_rate']:.0f} texts/s, {model['cpu_ms'][model['best_batch']]:.3f} ms CPU per text (best of the "
+        f"measurements before and after; the floor's batches: at most {floor_batch}, the first one's best size)",
         f"- {args.turns} turns of {args.seconds:g} s per server and concurrency, taking turns; medians",
         "",
         "| server | connections | req/s | / model alone | p50 (ms) | p50 over batch-1 (ms) | CPU/request (ms) | "
