@@ -5,13 +5,12 @@ import http.client
 import json
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from benchmarks.loadgen import free_port
+from benchmarks.loadgen import free_port, wait_until_ready
 from benchmarks.peers.classify_model import BundleClassifier
 from benchmarks.service_bench import FLOOR, goals
 
@@ -27,17 +26,7 @@ def floor_port():
     proc = subprocess.Popen([sys.executable, "benchmarks/peers/floor_classify.py", "--bundle", str(BUNDLE), "--port",
                              str(port), "--max-batch", "4"], cwd=REPO)  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-                conn.request("GET", "/")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        wait_until_ready(proc, port)  # (the floor answers any GET with 200)
         yield port
     finally:
         proc.terminate()

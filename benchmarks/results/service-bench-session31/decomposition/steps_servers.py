@@ -2,7 +2,7 @@
 the answer's JSON: `TaskEndpoint._validate` and `classify_answer` from service/routes.py) behind two minimal front
 ends, for decompose.py (thirty-first session, issue #20):
 
-    python steps_servers.py bare --port 8000      # a bare asyncio protocol on uvloop, one task per request
+    python steps_servers.py bare --port 8000      # the floor's bare asyncio protocol on uvloop, a task per request
     python steps_servers.py uvicorn --port 8000   # uvicorn (httptools, uvloop) with a minimal ASGI app
 
 Neither has the service's middleware (request ids, admission, deadlines from arrival, access log, request metrics),
@@ -22,6 +22,7 @@ from prometheus_client import generate_latest
 REPO = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.peers.floor_classify import Connection  # noqa: E402
 from service.app import load_models  # noqa: E402
 from service.config import Settings  # noqa: E402
 from service.deps import ServiceState  # noqa: E402
@@ -55,31 +56,20 @@ def response(body: bytes, content_type: bytes = b"application/json") -> bytes:
     return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (content_type, len(body), body)
 
 
-class Bare(asyncio.Protocol):
-    def connection_made(self, transport):
-        self.transport, self.buffer = transport, b""
+class Steps:
+    """The request steps behind the floor's bare protocol (benchmarks/peers/floor_classify.py `Connection`): one task
+    per POST."""
 
-    def data_received(self, data):
-        self.buffer += data
-        while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
-            request_line, *headers = self.buffer[:end].split(b"\r\n")
-            length = next((int(value) for name, _, value in (h.partition(b":") for h in headers)
-                           if name.strip().lower() == b"content-length"), 0)  # fmt: skip
-            if len(self.buffer) < end + 4 + length:
-                return
-            body, self.buffer = self.buffer[end + 4 : end + 4 + length], self.buffer[end + 4 + length :]
-            method, path = request_line.split(b" ")[:2]
-            if method == b"POST":
-                asyncio.get_running_loop().create_task(self.serve(body))
-            elif path == b"/metrics":
-                self.transport.write(response(generate_latest(state.metrics.registry), b"text/plain"))
-            else:
-                self.transport.write(response(b"ok", b"text/plain"))
+    def submit(self, transport: asyncio.Transport, body: bytes) -> None:
+        asyncio.get_running_loop().create_task(self.serve(transport, body))
 
-    async def serve(self, body):
+    async def serve(self, transport: asyncio.Transport, body: bytes) -> None:
         out = await answer(body)
-        if not self.transport.is_closing():
-            self.transport.write(response(out))
+        if not transport.is_closing():
+            transport.write(response(out))
+
+    def metrics(self) -> bytes:
+        return response(generate_latest(state.metrics.registry), b"text/plain")
 
 
 async def asgi(scope, receive, send):
@@ -110,7 +100,8 @@ async def asgi(scope, receive, send):
 
 async def serve_bare(port: int) -> None:
     start()
-    server = await asyncio.get_running_loop().create_server(Bare, "127.0.0.1", port)
+    steps = Steps()
+    server = await asyncio.get_running_loop().create_server(lambda: Connection(steps), "127.0.0.1", port)
     await server.serve_forever()
 
 
