@@ -6,8 +6,10 @@ tokenises nothing (a body's token ids are looked up: each distinct body is token
 deadlines or logs, and answers a fixed JSON per label; the requests read in one turn of the event loop run as one
 batch of at most `--max-batch` (`service_bench` passes the model alone's best batch size at the run's length) in
 `session.run` on the event loop itself (no thread to hop to), one batch per turn. The model is the bundle's, with
-the service's session settings (`ClassifierRuntime`, one ORT thread). Whatever a real server has to do besides only
-adds to these figures: a goal that this server misses on a core, no server of this model meets on that core.
+the service's session settings (`ClassifierRuntime`, one ORT thread). So its figures are what serving costs on a core
+before any request work: a goal it meets is within reach there, and one it misses is out of reach of a server this
+simple (not a strict bound for every design: at 512 tokens the service, whose model runs on a thread of its own
+beside a SCHED_BATCH event loop, once served more than it; benchmarks/results/service-bench-session31/).
 
     python benchmarks/peers/floor_classify.py --bundle models/classify-linformer --port 8000 [--max-batch 32]
     curl localhost:8000/classify -d '{"text": "A wonderful film."}'   # {"label": "positive"}
