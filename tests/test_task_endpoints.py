@@ -121,6 +121,23 @@ def test_a_batch_formats_each_result_as_json_dumps_would(rows):
         assert "{" + fragment + "}" == expected
 
 
+def test_the_softmax_is_numpys_in_float64_nan_and_infinities_alike():
+    """service.runtime.probabilities (math, per row) against the numpy softmax it replaced."""
+    import numpy as np
+
+    from service.runtime import probabilities
+
+    def numpy_softmax(logits):
+        shifted = np.exp(logits.astype(np.float64) - logits.max(axis=-1, keepdims=True))
+        return shifted / shifted.sum(axis=-1, keepdims=True)
+
+    logits = np.random.default_rng(0).normal(scale=20.0, size=(64, 2)).astype(np.float32)
+    np.testing.assert_allclose(probabilities(logits), numpy_softmax(logits), rtol=1e-15, atol=0)
+    special = np.array([[np.nan, 1.0], [1.0, np.nan], [np.inf, 1.0], [-np.inf, 1.0], [3.0, 3.0]], np.float32)
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(probabilities(special), numpy_softmax(special))
+
+
 async def test_the_answer_is_the_json_of_the_response_model(clients):
     """The JSON built as text parses into the documented response."""
     from service.schemas import ClassifyResponse, TranslateResponse
