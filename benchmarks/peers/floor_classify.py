@@ -1,5 +1,5 @@
-"""The floor: the least a server on this core can do per /classify request, a row beside the service and its peers in
-`service_bench` (issue #20).
+"""The floor: what serving /classify costs on this core before any request work, a row beside the service and its
+peers in `service_bench` (issue #20).
 
 A bare HTTP/1.1 keep-alive server on uvloop's asyncio protocol. Per request it parses no JSON, validates nothing,
 tokenises nothing (a body's token ids are looked up: each distinct body is tokenised once), keeps no metrics, ids,

@@ -6,7 +6,7 @@ ends, for decompose.py (thirty-first session, issue #20):
     python steps_servers.py uvicorn --port 8000   # uvicorn (httptools, uvloop) with a minimal ASGI app
 
 Neither has the service's middleware (request ids, admission, deadlines from arrival, access log, request metrics),
-its disconnect watch (a receive that never answers), error answers, or its uvicorn protocol subclass. LINFORMER_*
+error answers, or its uvicorn protocol subclass; the disconnect watch is given a receive that never answers. LINFORMER_*
 settings as the service reads them. GET /metrics: the service's metrics registry (the batcher's batch sizes)."""
 
 import argparse
