@@ -23,12 +23,12 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import uvloop
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from service.batcher import pad  # noqa: E402
 from service.bundle import load_bundle  # noqa: E402
 from service.runtime import CPU, ClassifierRuntime, make_session  # noqa: E402
 from service.tokenizer import Tokenizer  # noqa: E402
@@ -66,12 +66,7 @@ class Floor:
     def run_batch(self) -> None:
         """One batch of what is pending, then the next turn of the loop (which reads what arrived meanwhile)."""
         batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch :]
-        longest = max(len(ids) for _, ids in batch)
-        input_ids = np.full((len(batch), longest), self.pad_id, dtype=np.int64)
-        mask = np.zeros_like(input_ids)
-        for row, (_, ids) in enumerate(batch):
-            input_ids[row, : len(ids)] = ids
-            mask[row, : len(ids)] = 1
+        input_ids, mask = pad([ids for _, ids in batch], self.pad_id)
         best = self.runtime.run(input_ids, mask).argmax(axis=1)
         for (transport, _), label in zip(batch, best.tolist(), strict=True):
             if not transport.is_closing():
