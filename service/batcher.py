@@ -15,7 +15,9 @@ follows the work asked for rather than the request count; Retry-After is the que
 recent throughput in cost per second. A runtime error fails only its batch's requests (BatchFailed).
 The runtime call runs in one compute thread per model, off the event loop, except, where `inline_max_s` is set
 (classification), a lone short text: a batch of one text with nothing queued behind it, which the recent runs of lone
-texts of about its length say take at most `inline_max_s`, runs on the event loop itself (`_runs_inline`).
+texts of about its length say take at most `inline_max_s`, runs on the event loop itself (`_runs_inline`); when its
+request is the only one in progress and the worker idle, in `submit` itself: the worker's turn skipped, 20-35 us of
+a lone request's p50 (benchmarks/results/service-bench-session32/alone/).
 
 Cut-ins (`cut_in_ratio`, translation): while a batch decodes step by step, a queued batch whose longest text is
 at most 1/`cut_in_ratio` of the decoding batch's longest may run whole between two of its steps, on the same
@@ -240,6 +242,7 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._closing = False
         self._worker: asyncio.Task | None = None
+        self._parked = False  # the worker waits for an arrival: nothing is queued or computing
         # one thread: batches of a model run one at a time, ORT's intra-op threads use the cores
         self._compute_thread = _ComputeThread(f"infer-{name}", on_idle, idle_s)
         self._queued_cost = 0
@@ -275,11 +278,11 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    async def submit(
-        self, token_ids: list[list[int]], *, timeout_s: float, options: Hashable = None, cost: int | list[int] = 1
-    ) -> list:
+    async def submit(self, token_ids: list[list[int]], *, timeout_s: float, options: Hashable = None,
+                     cost: int | list[int] = 1, alone: bool = False) -> list:  # fmt: skip
         """Queue one request's texts, each costing `cost` (or its own, one per text); return one output per text, in
-        order.
+        order. `alone`: the caller knows of no other request in progress (nor tokenised and on its way here), so a
+        lone short text the worker would run inline (`_runs_inline`) runs at once, in this call, if the worker is idle.
 
         Raises QueueFull, DeadlineExceeded, ShuttingDown or BatchFailed. If the caller is cancelled (its
         client went away), its items are dropped before compute.
@@ -299,6 +302,12 @@ class Batcher:
         request = next(self._requests)
         items = [_Item(ids, options, loop.create_future(), now, now + timeout_s, request, c)
                  for ids, c in zip(token_ids, costs, strict=True)]  # fmt: skip
+        if alone and self._parked and timeout_s > 0 and self._runs_inline(items):
+            # nothing queued or computing, and no other request on its way: computed now, without the worker's turn
+            if self._queue_wait is not None:
+                self._queue_wait.observe(0.0)
+            self._compute_inline(items)
+            return [items[0].future.result()]
         self._queue.extend(items)
         self._queued_cost += added_cost
         if self._depth_gauge is not None:
@@ -362,7 +371,9 @@ class Batcher:
                 if self._closing:
                     return
                 self._wakeup.clear()
+                self._parked = True
                 await self._wakeup.wait()
+                self._parked = False
                 continue
             batch, full = self._plan_batch()
             wait_left = self._queue[0].enqueued_at + self.max_wait_s - time.monotonic()
@@ -441,6 +452,9 @@ class Batcher:
         return limit
 
     async def _compute(self, batch: list[_Item]) -> None:
+        if self._runs_inline(batch):
+            self._compute_inline(batch)
+            return
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         stop_if_abandoned = between_steps = _stop_if_abandoned(batch)
@@ -453,13 +467,9 @@ class Batcher:
                     self._run_cut_in(self._handover.popleft(), loop)
 
             self._offer_cut_in()
-        inline = self._runs_inline(batch)
-        args = ([item.ids for item in batch], batch[0].options, between_steps)
         try:
-            if inline:
-                outcome = self._pad_and_run(*args)
-            else:
-                outcome = await self._compute_thread.call(self._pad_and_run, *args)
+            outcome = await self._compute_thread.call(self._pad_and_run, [item.ids for item in batch],
+                                                      batch[0].options, between_steps)  # fmt: skip
         except Exception as error:
             outcome = error
         hosted_s = 0.0
@@ -467,8 +477,17 @@ class Batcher:
             if self._decoding.look_again is not None:
                 self._decoding.look_again.cancel()
             hosted_s, self._decoding = self._hosted_s - self._decoding.hosted_from, None
-        seconds = time.monotonic() - started - hosted_s
-        if inline and self.metrics:
+        self._answer_batch(batch, outcome, time.monotonic() - started - hosted_s)
+
+    def _compute_inline(self, batch: list[_Item]) -> None:
+        """A batch `_runs_inline` chose, on the event loop: answered when this returns."""
+        started = time.monotonic()
+        try:
+            outcome = self._pad_and_run([item.ids for item in batch], batch[0].options, _stop_if_abandoned(batch))
+        except Exception as error:
+            outcome = error
+        seconds = time.monotonic() - started
+        if self.metrics:
             self.metrics.child(self.metrics.inline_inference, self.name).inc(seconds)
         self._answer_batch(batch, outcome, seconds)
 

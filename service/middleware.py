@@ -309,6 +309,8 @@ class RequestContextMiddleware:
                 if decision is Admission.WAIT:
                     decision, receive_body = await self._wait_in_room(task, receive, context["deadline"])
                 admitted = decision is Admission.ADMIT
+                if admitted:  # the batcher runs a request at once that it knows to be the only one (routes._infer)
+                    context["route_admission"] = self.admission[task]
             if decision is Admission.LEFT:  # nobody to answer: nothing read for the app, nothing computed
                 status = CLIENT_CLOSED_REQUEST
                 self.metrics.child(self.metrics.left_waiting, task, "client_left").inc()

@@ -139,10 +139,12 @@ async def _infer(
     assert model.batcher is not None
     request_task = asyncio.current_task()
     assert request_task is not None
+    admission = scope.get("state", {}).get("route_admission")  # (RequestContextMiddleware's, once admitted)
+    alone = admission is not None and admission.in_flight == 1  # no other request on this route in progress
     watch = _DisconnectWatch(receive, request_task.cancel)
     try:
         return await model.batcher.submit(token_ids, timeout_s=_time_left_s(scope, state), options=options,
-                                          cost=cost)  # fmt: skip
+                                          cost=cost, alone=alone)  # fmt: skip
     except asyncio.CancelledError:
         if not watch.fired:
             raise  # cancelled from outside (shutdown): not ours to answer

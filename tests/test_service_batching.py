@@ -66,6 +66,28 @@ async def test_concurrent_requests_share_batches(models_dir):
     assert metric(metrics, "linformer_batch_size_count") <= 2  # 8 texts in at most 2 batches
 
 
+async def test_the_route_tells_the_batcher_when_a_request_is_alone(models_dir, monkeypatch):
+    """A request that is the only one in progress on its route (its admission count) is submitted `alone`, which lets
+    a lone short text skip the worker's turn (Batcher.submit); one that arrives while another is in progress is not."""
+    from service.batcher import Batcher
+
+    told = []
+    submit = Batcher.submit
+
+    def recording_submit(self, token_ids, **kwargs):
+        told.append(kwargs.get("alone"))
+        return submit(self, token_ids, **kwargs)
+
+    monkeypatch.setattr(Batcher, "submit", recording_submit)
+    async with running_service(make_settings(models_dir), wrap_runtime=lambda rt: SlowRuntime(rt, 0.2)) as client:
+        assert (await client.post("/classify", json={"text": "the film"})).status_code == 200
+        first = asyncio.create_task(client.post("/classify", json={"text": "the film"}))
+        await asyncio.sleep(0.05)  # the first is computing
+        assert (await client.post("/classify", json={"text": "a film"})).status_code == 200
+        assert (await first).status_code == 200
+    assert told == [True, True, False]
+
+
 async def test_a_full_batch_goes_without_waiting(models_dir):
     settings = make_settings(models_dir, max_wait_ms=30_000, max_batch_size=4)
     async with running_service(settings) as client:
@@ -356,11 +378,29 @@ async def test_a_lone_short_text_runs_on_the_event_loop_and_everything_else_on_t
     await batcher.submit([[1] * 10], timeout_s=5)  # 8-15 tokens: nothing measured yet, the compute thread
     await batcher.submit([[1] * 10], timeout_s=5)  # 2.5 ms measured: inline
     await asyncio.gather(*(batcher.submit([[1] * 10], timeout_s=5) for _ in range(3)))  # batched: the thread
-    await batcher.close()
     assert runtime.batches == [[120] * 8, [150], [150], [10], [10], [10, 10, 10]]
     assert runtime.threads == ["infer-test"] * 4 + [loop_thread, "infer-test"]
     inline_s = metrics.registry.get_sample_value("linformer_inline_inference_seconds_total", {"model": "test"})
     assert 0.0025 <= inline_s < 0.1  # the one inline run (at least its runtime's 2.5 ms), counted apart
+
+    # the only request in progress (`alone`, the route's admission count), the worker idle: computed in submit itself,
+    # answered on the coroutine's first step; the same text not alone goes through the worker (a turn of the loop)
+    await asyncio.sleep(0.01)  # the worker parks
+    runtime.threads = []
+    alone = batcher.submit([[1] * 10], timeout_s=5, alone=True)
+    with pytest.raises(StopIteration) as answered:
+        alone.send(None)
+    assert answered.value.value == [(10, None)] and runtime.threads == [loop_thread]
+    not_alone = batcher.submit([[1] * 10], timeout_s=5)
+    not_alone.send(None)  # suspended: its future waits for the worker
+    not_alone.close()
+    # alone as far as its caller knows, but texts are queued: queued behind them, and batched with them
+    queued = asyncio.gather(*(batcher.submit([[1] * 10], timeout_s=5) for _ in range(2)))
+    await asyncio.sleep(0)  # both queued, the worker woken and not yet run
+    assert await batcher.submit([[1] * 10], timeout_s=5, alone=True) == [(10, None)]
+    await queued
+    assert runtime.batches[-1] == [10, 10, 10] and runtime.threads[-1] == "infer-test"
+    await batcher.close()
 
     runtime.threads = []
     batcher = make_batcher(runtime)  # inline_max_s 0 (the translator's): never inline
