@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import SlowRuntime, make_settings, running_service
 
-from service.batcher import Batcher, DeadlineExceeded, QueueFull, Shed, _ComputeThread
+from service.batcher import Batcher, DeadlineExceeded, QueueFull, Shed, _ComputeThread, pad
 from service.metrics import Metrics
 
 pytestmark = pytest.mark.anyio
@@ -424,6 +424,9 @@ def test_padding_leaves_real_tokens_first():
     batcher._pad_and_run([[1, 2, 3], [4]], None, lambda: None)
     np.testing.assert_array_equal(captured["ids"], [[1, 2, 3], [4, 9, 9]])
     np.testing.assert_array_equal(captured["mask"], [[1, 1, 1], [1, 0, 0]])
+    for ids, mask in (pad([[5, 6]], 9), pad([[5, 6], [7, 8]], 9)):  # a lone text's arrays as a batch's
+        assert ids.dtype == mask.dtype == np.int64 and ids.shape == mask.shape and mask.all()
+    np.testing.assert_array_equal(pad([[5, 6]], 9)[0], [[5, 6]])
 
 
 # ---- the disconnect watch (service/routes.py), with receive callables of each shape it may meet ----
