@@ -69,8 +69,6 @@ async def test_concurrent_requests_share_batches(models_dir):
 async def test_the_route_tells_the_batcher_when_a_request_is_alone(models_dir, monkeypatch):
     """A request that is the only one in progress on its route (its admission count) is submitted `alone`, which lets
     a lone short text skip the worker's turn (Batcher.submit); one that arrives while another is in progress is not."""
-    from service.batcher import Batcher
-
     told = []
     submit = Batcher.submit
 
