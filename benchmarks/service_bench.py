@@ -356,6 +356,19 @@ def median_row(turns: list[dict]) -> dict:
     return row
 
 
+def take_turns(servers: list[Server], connections: int, turns: int, seconds: float, model: dict,
+               show: Callable[[Server, dict], None]) -> dict[str, list[dict]]:  # fmt: skip
+    """The servers measured at one concurrency `turns` times each, taking turns (the order reversed every other turn,
+    so that a drift of the core's speed falls on all), each turn's row shown as it comes: server name -> its rows."""
+    rows: dict[str, list[dict]] = {server.name: [] for server in servers}
+    for turn in range(turns):
+        for server in servers if turn % 2 == 0 else servers[::-1]:
+            row = measure(server, connections, seconds, model)
+            rows[server.name].append(row)
+            show(server, row)
+    return rows
+
+
 def cpu_ms_outside_run(row: dict, model: dict) -> float:
     """The server's CPU per request minus the model's CPU per text at the mean batch size it formed, and for this
     service at least its event loop's CPU (its main thread's, less the session.run calls it made itself): the
@@ -629,18 +642,16 @@ def main() -> None:
             for server in servers:
                 server.start(logs / f"{server.name.split()[0].lower()}-{tokens}.log")
             for connections in args.connections:
-                turns: dict[str, list[dict]] = {server.name: [] for server in servers}
-                for turn in range(args.turns):  # the servers take turns, in the opposite order every other turn
-                    for server in servers if turn % 2 == 0 else servers[::-1]:
-                        row = measure(server, connections, args.seconds, model)
-                        turns[server.name].append(row)
-                        print(f"{len(ids)} tokens, {server.name:>18}, c={connections:<3} {row['rps']:7.0f} req/s "
-                              f"({row['ratio_to_model']:.2f} of model) p50 {row['p50_ms']:7.2f} p99 "
-                              f"{row['p99_ms']:7.1f} ms, CPU/req {row['cpu_ms_per_request']:.3f} (outside run "
-                              f"{row['cpu_ms_outside_run']:.3f}, kernel {row['kernel_cpu_ms']:.3f}) ms, batch "
-                              f"{row['mean_batch']:.1f}, non-2xx "
-                              f"{row['non_2xx']}, socket errors {row['socket_errors'] or 'none'}",
-                              flush=True)  # fmt: skip
+
+                def show(server: Server, row: dict, tokens: int = len(ids), connections: int = connections) -> None:
+                    print(f"{tokens} tokens, {server.name:>18}, c={connections:<3} {row['rps']:7.0f} req/s "
+                          f"({row['ratio_to_model']:.2f} of model) p50 {row['p50_ms']:7.2f} p99 "
+                          f"{row['p99_ms']:7.1f} ms, CPU/req {row['cpu_ms_per_request']:.3f} (outside run "
+                          f"{row['cpu_ms_outside_run']:.3f}, kernel {row['kernel_cpu_ms']:.3f}) ms, batch "
+                          f"{row['mean_batch']:.1f}, non-2xx {row['non_2xx']}, socket errors "
+                          f"{row['socket_errors'] or 'none'}", flush=True)  # fmt: skip
+
+                turns = take_turns(servers, connections, args.turns, args.seconds, model, show)
                 rows += [median_row(turns[server.name]) for server in servers]
             if args.flame and tokens in (64, 512):  # 512: native frames too, to see inside session.run
                 suffix = "" if tokens == 64 else f"-{tokens}-native"

@@ -4,7 +4,7 @@
                                                                                   [--turns 3] [--seconds 5]
 
 Four servers of the same bundle on core 0, wrk on core 1, measured as `benchmarks/service_bench.py` measures (its
-`Server`, `measure`, `model_alone`), taking turns at each concurrency (the order reversed every other turn; each
+`Server`, `take_turns`, `model_alone`), taking turns at each concurrency (the order reversed every other turn; each
 figure the median of the turns):
 1. the floor (`benchmarks/peers/floor_classify.py`): no per-request work but `session.run`;
 2. a bare asyncio protocol with the service's request steps (`steps_servers.py bare`);
@@ -29,9 +29,9 @@ from benchmarks.service_bench import (  # noqa: E402
     best_of,
     machine,
     make_servers,
-    measure,
     median_row,
     model_alone,
+    take_turns,
     text_of_length,
 )
 from service.bundle import load_bundle  # noqa: E402
@@ -62,13 +62,12 @@ def main() -> None:
         for server in servers:
             server.start(logs / f"{server.name.split()[0]}.log")
         for connections in args.connections:
-            turns: dict[str, list[dict]] = {server.name: [] for server in servers}
-            for turn in range(args.turns):
-                for server in servers if turn % 2 == 0 else servers[::-1]:
-                    row = measure(server, connections, args.seconds, model)
-                    turns[server.name].append(row)
-                    print(f"{server.name:>36} c={connections:<3} {row['rps']:6.0f} req/s p50 {row['p50_ms']:.3f} "
-                          f"CPU/req {row['cpu_ms_per_request']:.3f} batch {row['mean_batch']:.1f}", flush=True)
+
+            def show(server: Server, row: dict, connections: int = connections) -> None:
+                print(f"{server.name:>36} c={connections:<3} {row['rps']:6.0f} req/s p50 {row['p50_ms']:.3f} "
+                      f"CPU/req {row['cpu_ms_per_request']:.3f} batch {row['mean_batch']:.1f}", flush=True)
+
+            turns = take_turns(servers, connections, args.turns, args.seconds, model, show)
             rows += [median_row(turns[server.name]) for server in servers]
     finally:
         for server in servers:
